@@ -1,0 +1,115 @@
+"""`ParallelConfig`: how many ways to split the work along each parallel dimension.
+
+A config is checked twice: its own fields when it is built (types and ranges), and against
+the world size when a `Topology` resolves it (`resolve`). Both checks are pure functions of
+the config and the world size, so every rank raises the same `ConfigError` before any
+collective is issued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not a positive integer; set {name} to 1 or more")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of each parallel dimension plus the knobs of the executors.
+
+    dp: data-parallel replicas; None means world_size // (tp * pp * cp).
+    tp, pp, cp: tensor, pipeline and context parallel degrees.
+    zero: 0 none, 1 shard optimizer state, 2 + gradients, 3 + parameters.
+    microbatches: per `train_step` (gradient accumulation / pipeline microbatches).
+    schedule: pipeline schedule name, one of SCHEDULES.
+    sequence_parallel: shard norms and dropout along the sequence inside tp groups.
+    bucket_mb: capacity of one gradient-synchronization bucket in MiB.
+    timeout_s: seconds after which a collective fails instead of waiting on a dead peer.
+    """
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    bucket_mb: float = 25.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.dp is not None:
+            _check_positive_int("dp", self.dp)
+        for name in ("tp", "pp", "cp", "microbatches"):
+            _check_positive_int(name, getattr(self, name))
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; use one of {ZERO_STAGES}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"schedule={self.schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}"
+            )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, e.g. 25")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """This config with `dp` filled in, after checking every degree against `world_size`."""
+        _check_positive_int("world_size", world_size)
+        valid = ", ".join(map(str, divisors(world_size)))
+        for name in ("tp", "cp", "pp"):
+            value = getattr(self, name)
+            if world_size % value:
+                raise ConfigError(
+                    f"{name}={value} does not divide world size {world_size}; "
+                    f"valid {name} values: {valid}"
+                )
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ConfigError(
+                f"tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {mp} does not divide world size "
+                f"{world_size}; choose degrees whose product divides {world_size}"
+            )
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(
+                f"dp={self.dp} with tp={self.tp}, cp={self.cp}, pp={self.pp} needs "
+                f"{self.dp * mp} ranks but world size is {world_size}; "
+                f"set dp={dp} or dp=None to derive it"
+            )
+        return dataclasses.replace(self, dp=dp)
+
+    def describe(self) -> str:
+        """One line: the degrees and the knobs that differ from their defaults."""
+        dp = "auto" if self.dp is None else self.dp
+        parts = [f"dp={dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"]
+        defaults = ParallelConfig()
+        for field in dataclasses.fields(self):
+            if field.name in ("dp", "tp", "pp", "cp"):
+                continue
+            value = getattr(self, field.name)
+            if value != getattr(defaults, field.name):
+                parts.append(f"{field.name}={value!r}")
+        return " ".join(parts)
