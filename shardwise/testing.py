@@ -1,0 +1,144 @@
+"""Run a function on N local processes joined in one torch.distributed world.
+
+`run_on_ranks(fn, world_size, *args)` is how shardwise's own tests exercise real
+collectives, and users can test their training code the same way. Workers are forked from
+a forkserver that has already imported torch and shardwise, so starting a world costs a
+fraction of a second rather than one interpreter start per rank. The rendezvous store
+lives in the calling process on a port the OS picks, so concurrent runs never race for a
+port. A worker that raises, dies or outlives `timeout` makes the call raise
+`RankFailedError` naming the rank, with its traceback, and every other worker is killed:
+nothing is left hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import RankFailedError
+
+_PRELOAD = ["__main__", "torch", "torch.distributed", "shardwise"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, port, backend, collective_timeout, threads, call, results):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(threads)
+    try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = timedelta(seconds=collective_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        fn, args, kwargs = pickle.loads(call)
+        results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+    except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    collective_timeout: float | None = None,
+    backend: str = "gloo",
+    threads: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on `world_size` local ranks and return their results.
+
+    `fn` must be importable by name (defined at module level) and its results picklable.
+    Each worker has torch.distributed initialized (`backend`, default gloo) with
+    RANK/WORLD_SIZE/LOCAL_RANK set as torchrun would, so `sw.init_distributed()` is a no-op.
+    Collectives time out after `collective_timeout` seconds (default: min(timeout, 120));
+    the whole run after `timeout` seconds. Returns the results in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    collective_timeout = collective_timeout or min(timeout, 120.0)
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    # Standard pickling copies tensors; multiprocessing's own would share them through file
+    # descriptors that die with the worker that sent them.
+    call = pickle.dumps((fn, args, kwargs))
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, store.port, backend, collective_timeout, threads, call, results),
+            name=f"shardwise-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join()
+        results.close()
+
+
+def _collect(procs, results, timeout: float) -> list[Any]:
+    world_size = len(procs)
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.05)
+        except queue.Empty:
+            _check_alive(procs, done, results)
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in done]
+                raise RankFailedError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:g}s and were killed; "
+                    "a collective is probably waiting on a peer that never joined it"
+                ) from None
+            continue
+        if not ok:
+            raise RankFailedError(f"rank {rank} of {world_size} raised:\n{payload}")
+        done[rank] = payload
+    return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+def _check_alive(procs, done, results) -> None:
+    """Raise if a worker exited without reporting (crash, signal, os._exit)."""
+    for rank, proc in enumerate(procs):
+        if rank in done or proc.exitcode is None:
+            continue
+        try:  # it may have reported just before exiting
+            other, ok, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            raise RankFailedError(
+                f"rank {rank} of {len(procs)} died with exit code {proc.exitcode} before returning a result"
+            ) from None
+        if not ok:
+            raise RankFailedError(f"rank {other} of {len(procs)} raised:\n{payload}")
+        done[other] = payload
+        return

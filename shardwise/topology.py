@@ -1,0 +1,165 @@
+"""Process groups and rank coordinates for a `ParallelConfig`.
+
+Ranks are laid out on a 4-d grid of shape (pp, dp, cp, tp): tp varies fastest, then cp,
+then dp, then pp (Megatron's default), so tensor-parallel peers are consecutive ranks and
+usually share a node. The grid arithmetic is pure (`rank_grid`, `group_family`,
+`rank_coordinates`) so it can be tested for every shape without processes; `Topology`
+uses exactly these functions to create the real groups and the `DeviceMesh`.
+
+Groups are created here, with the config's timeout, instead of letting DeviceMesh create
+them: DeviceMesh's own subgroups use torch's default timeout (30 minutes) whatever the
+world group was given, and a collective on a dead peer must fail in bounded time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import ParallelConfig
+from .errors import ShardwiseError
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest-varying first
+
+
+def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(minutes=10)) -> None:
+    """Initialize torch.distributed once; later calls do nothing.
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+    Without it, starts a world of one process. The backend is NCCL when CUDA is available,
+    gloo otherwise, unless `backend` names one.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def backend_device() -> torch.device:
+    """The device whose tensors the default process group communicates."""
+    if dist.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def canonical_dims(dims: Iterable[str]) -> tuple[str, ...]:
+    """`dims` in mesh order, checked; e.g. ("tp", "dp") -> ("dp", "tp")."""
+    dims = tuple(dims)
+    unknown = [d for d in dims if d not in MESH_DIMS]
+    if unknown or not dims or len(set(dims)) != len(dims):
+        raise ShardwiseError(f"mesh dimensions {dims!r} are not distinct names from {MESH_DIMS}")
+    return tuple(d for d in MESH_DIMS if d in dims)
+
+
+def rank_grid(sizes: dict[str, int]) -> torch.Tensor:
+    """Global ranks arranged as a (pp, dp, cp, tp) tensor."""
+    shape = [sizes[d] for d in MESH_DIMS]
+    return torch.arange(math.prod(shape)).reshape(shape)
+
+
+def group_family(grid: torch.Tensor, dims: Iterable[str]) -> list[list[int]]:
+    """Every group spanned by `dims`: ranks that differ only in those coordinates.
+
+    The groups partition the world; inside each, ranks are ordered by their coordinates
+    along `dims` (so the group rank along a single dim equals that coordinate).
+    """
+    dims = canonical_dims(dims)
+    axes = [MESH_DIMS.index(d) for d in dims]
+    size = math.prod(grid.shape[a] for a in axes)
+    return grid.movedim(axes, list(range(grid.ndim - len(axes), grid.ndim))).reshape(-1, size).tolist()
+
+
+def rank_coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """The (pp, dp, cp, tp) coordinates of `rank`."""
+    coords = {}
+    for dim in reversed(MESH_DIMS):
+        rank, coords[dim] = divmod(rank, sizes[dim])
+    return {d: coords[d] for d in MESH_DIMS}
+
+
+class Topology:
+    """This rank's place in the (pp, dp, cp, tp) grid, its groups and the DeviceMesh.
+
+    Built from a `ParallelConfig` on an initialized world; creating one is collective:
+    every rank must build it, in the same order relative to other group creations.
+    """
+
+    def __init__(self, config: ParallelConfig):
+        if not dist.is_initialized():
+            raise ShardwiseError("torch.distributed is not initialized; call sw.init_distributed() first")
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.config = config.resolve(self.world_size)
+        self.sizes = {d: getattr(self.config, d) for d in MESH_DIMS}
+        self.grid = rank_grid(self.sizes)
+        self.coordinates = rank_coordinates(self.rank, self.sizes)
+        self.device = backend_device()
+        self.timeout = timedelta(seconds=self.config.timeout_s)
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        per_dim = [self.group(d) for d in MESH_DIMS]
+        self.mesh = DeviceMesh.from_group(
+            per_dim, self.device.type, mesh=self.grid, mesh_dim_names=MESH_DIMS
+        )
+
+    # coordinates -------------------------------------------------------------------
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinates["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinates["dp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinates["cp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinates["tp"]
+
+    def size(self, *dims: str) -> int:
+        """Number of ranks in this rank's group spanning `dims`."""
+        return math.prod(self.sizes[d] for d in canonical_dims(dims))
+
+    # groups ------------------------------------------------------------------------
+    def group_ranks(self, *dims: str) -> list[int]:
+        """Global ranks of this rank's group spanning `dims`, ordered by coordinate."""
+        for ranks in group_family(self.grid, dims):
+            if self.rank in ranks:
+                return ranks
+        raise AssertionError(f"rank {self.rank} is in no {dims} group")  # grid covers every rank
+
+    def group(self, *dims: str) -> dist.ProcessGroup:
+        """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").
+
+        Created on first use with the config's timeout; creation is collective among the
+        group's members, so all ranks must ask for the same groups in the same order.
+        """
+        key = canonical_dims(dims)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(
+                self.group_ranks(*key), timeout=self.timeout, use_local_synchronization=True
+            )
+        return self._groups[key]
+
+    def describe(self) -> str:
+        shape = " × ".join(f"{d} {self.sizes[d]}" for d in MESH_DIMS)
+        coords = ", ".join(f"{d} {self.coordinates[d]}" for d in MESH_DIMS)
+        return f"world {self.world_size} = {shape}; rank {self.rank} at ({coords}) on {self.device}"
+
+    def __repr__(self) -> str:
+        return f"Topology({self.describe()})"
+
