@@ -1,0 +1,41 @@
+"""shardwise: train a single-device torch.nn.Module across many devices, computing what it computes on one."""
+
+from . import testing
+from .config import ParallelConfig
+from .errors import (
+    BatchError,
+    CheckpointError,
+    CommunicationError,
+    ConfigError,
+    ModelError,
+    PlanError,
+    RankFailedError,
+    ShardwiseError,
+)
+from .module import DataParallelInfo, ParallelModule, data_parallel_info, parallelize
+from .optim import build_optimizer
+from .plan import Plan
+from .topology import Topology, init_distributed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "CommunicationError",
+    "ConfigError",
+    "DataParallelInfo",
+    "ModelError",
+    "ParallelConfig",
+    "ParallelModule",
+    "Plan",
+    "PlanError",
+    "RankFailedError",
+    "ShardwiseError",
+    "Topology",
+    "build_optimizer",
+    "data_parallel_info",
+    "init_distributed",
+    "parallelize",
+    "testing",
+]

@@ -1,0 +1,98 @@
+"""Batches as nested dicts, lists and tuples of tensors: validate, split, move, read the loss.
+
+Every tensor with at least one dimension is a batch tensor and is split along dim 0; all of
+them must agree on that size. Scalars and non-tensor leaves go to every microbatch as they
+are. Errors name the offending leaf by its path in the batch (e.g. `batch['labels']`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .errors import BatchError, ModelError
+
+
+def _leaves(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _leaves(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Rebuild `obj` with `fn` applied to every tensor leaf."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {key: map_tensors(value, fn) for key, value in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def batch_size(batch: Any) -> int:
+    """The common dim-0 size of the batch tensors; raises `BatchError` if they disagree."""
+    sizes = [(path, leaf.shape[0]) for path, leaf in _leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not sizes:
+        raise BatchError(
+            f"the batch ({type(batch).__name__}) holds no tensor with a batch dimension; "
+            "pass a tensor or a dict/list/tuple of tensors whose dim 0 is the batch"
+        )
+    first_path, first = sizes[0]
+    for path, size in sizes[1:]:
+        if size != first:
+            raise BatchError(
+                f"{path} has {size} samples along dim 0 but {first_path} has {first}; "
+                "every batch tensor must have the same batch size"
+            )
+    return first
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """Split every batch tensor along dim 0 into `parts` equal microbatches."""
+    size = batch_size(batch)
+    if size % parts or size < parts:
+        suggestion = parts * max(1, round(size / parts))
+        raise BatchError(
+            f"batch size {size} is not divisible by microbatches={parts}; "
+            f"use a batch size that is a multiple of {parts} (e.g. {suggestion}) or change microbatches"
+        )
+    if parts == 1:
+        return [batch]
+    step = size // parts
+    return [map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() > 0 else t) for i in range(parts)]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss a module's forward returned first; `ModelError` unless it is a scalar with grad."""
+    loss = output
+    if isinstance(output, Mapping):
+        loss = output["loss"] if "loss" in output else next(iter(output.values()), None)
+    elif isinstance(output, (list, tuple)):
+        loss = output[0] if output else None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ModelError(
+            f"train_step needs module.forward(batch) to return the scalar loss first "
+            f"(a tensor, or a tuple/dict whose first entry is one); the first output was {got}. "
+            "Compute the loss inside forward, e.g. `return F.cross_entropy(logits, batch['labels'])`"
+        )
+    if not loss.requires_grad:
+        raise ModelError(
+            "the loss returned by module.forward(batch) does not require grad; "
+            "check that the module has trainable parameters and that forward does not run under torch.no_grad()"
+        )
+    return loss

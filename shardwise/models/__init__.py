@@ -1,0 +1,6 @@
+"""Small reference models and data used by the demo, the tests and the benchmarks."""
+
+from .data import CharTokenizer, tiny_corpus, token_batches
+from .gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "CharTokenizer", "tiny_corpus", "token_batches"]

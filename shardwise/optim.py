@@ -1,0 +1,85 @@
+"""`build_optimizer`: any torch optimizer, made aware of the ParallelModule it updates.
+
+The returned object is an instance of the requested optimizer class (a subclass built on
+the fly), so learning-rate schedulers, `state_dict()` and user code that checks types keep
+working. `step()` first completes any pending gradient synchronization; `zero_grad()`
+zeroes the gradient buckets in place; `clip_grad_norm()` clips by the global norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .errors import ShardwiseError
+from .module import ParallelModule
+
+
+class ParallelOptimizer:
+    """Mixed in before the user's optimizer class; `_pmodel` is the module it updates."""
+
+    _pmodel: ParallelModule
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._pmodel.finish_gradient_sync()
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._pmodel.zero_grad()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm."""
+        self._pmodel.finish_gradient_sync()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]  # type: ignore[attr-defined]
+        grads = [p.grad for p in params]
+        if not grads:
+            return torch.zeros((), device=self._pmodel.topology.device)
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+
+def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch.optim.Optimizer],
+                    **kwargs: Any) -> torch.optim.Optimizer:
+    """An optimizer over `pmodel`'s parameters, e.g. `build_optimizer(pm, torch.optim.AdamW, lr=3e-4)`.
+
+    `optimizer_class` is an optimizer class or a factory taking the parameters first.
+    Pass `params=[{"params": [...], "lr": ...}, ...]` for parameter groups; they must be
+    parameters of `pmodel`.
+    """
+    if not isinstance(pmodel, ParallelModule):
+        raise ShardwiseError(
+            f"build_optimizer needs the ParallelModule returned by sw.parallelize, got {type(pmodel).__name__}; "
+            "call sw.build_optimizer(pmodel, ...) with the parallelized module"
+        )
+    params = kwargs.pop("params", None)
+    if params is None:
+        params = [p for p in pmodel.parameters() if p.requires_grad]
+    else:
+        params = list(params)
+        _check_params_belong(pmodel, params)
+    optimizer = optimizer_class(params, **kwargs)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ShardwiseError(
+            f"{getattr(optimizer_class, '__name__', optimizer_class)!r} returned {type(optimizer).__name__}, "
+            "not a torch.optim.Optimizer"
+        )
+    base = type(optimizer)
+    optimizer.__class__ = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
+    optimizer._pmodel = pmodel
+    return optimizer
+
+
+def _check_params_belong(pmodel: nn.Module, params: list[Any]) -> None:
+    own = {id(p) for p in pmodel.parameters()}
+    for group in params:
+        tensors = group["params"] if isinstance(group, dict) else [group]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for tensor in tensors:
+            if id(tensor) not in own:
+                raise ShardwiseError(
+                    f"a parameter of shape {tuple(tensor.shape)} passed to build_optimizer is not a parameter of "
+                    "the ParallelModule; build parameter groups from pmodel.named_parameters()"
+                )

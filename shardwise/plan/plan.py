@@ -1,0 +1,199 @@
+"""`Plan`: every layout decision as plain data that prints, diffs and round-trips through JSON.
+
+Parameter and activation placements are keyed by module-path patterns; placements are
+torch's `Shard(d)`, `Replicate()` and `Partial()` (or their strings), one per mesh dim the
+entry shards over (the tp dim). Anything a plan does not name is replicated. The same type
+is written by hand, taken from the zoo, or produced by the planner; executors only read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..errors import PlanError
+
+_PLACEMENT = re.compile(r"^\s*(Shard|Replicate|Partial)\s*\(\s*(?:dim\s*=\s*)?(-?\d*)\s*\)\s*$")
+
+
+def parse_placement(value: Any, where: str = "plan") -> Placement:
+    """A torch placement from a placement or its string form ("Shard(0)", "Replicate()", "Partial()")."""
+    if isinstance(value, Placement):
+        return value
+    match = _PLACEMENT.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise PlanError(
+            f"{where}: {value!r} is not a placement; write Shard(d), Replicate() or Partial() "
+            "(as torch objects or as those strings)"
+        )
+    kind, arg = match.groups()
+    if kind == "Shard":
+        if not arg:
+            raise PlanError(f"{where}: {value!r} needs a dimension, e.g. 'Shard(0)'")
+        return Shard(int(arg))
+    if arg:
+        raise PlanError(f"{where}: {value!r} takes no argument; write '{kind}()'")
+    return Replicate() if kind == "Replicate" else Partial()
+
+
+def placement_str(placement: Placement) -> str:
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Partial):
+        return "Partial()"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    raise PlanError(f"placement {placement!r} has no string form; use Shard(d), Replicate() or Partial()")
+
+
+def _placements(value: Any, where: str) -> tuple[Placement, ...]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise PlanError(f"{where}: an empty placement list; write e.g. [Shard(0)]")
+    return tuple(parse_placement(v, where) for v in values)
+
+
+def _activation(value: Any, where: str) -> tuple[tuple[Placement, ...] | None, ...]:
+    """Per-tensor placements of a module's inputs or outputs; None leaves a tensor alone.
+
+    Accepts veScale's nested form ([[Replicate()]]: one list per tensor) and a flat one
+    ([Replicate()] or "Replicate()": a single tensor).
+    """
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if values and all(v is None or isinstance(v, (list, tuple)) for v in values):
+        return tuple(None if v is None else _placements(v, where) for v in values)
+    return (_placements(values, where),)
+
+
+@dataclass
+class Plan:
+    """Placements by pattern, pipeline stages, ZeRO stage and recompute, as data.
+
+    params: {"layers.*.attn.q_proj.weight": [Shard(0)], ...}
+    activations: {"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": [[Shard(1)]]}
+    stages: pipeline stage boundaries (module paths that begin a stage), or None for automatic.
+    zero: ZeRO stage, or None to take the config's.
+    recompute: patterns of modules whose activations are recomputed in backward.
+    """
+
+    params: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
+    activations: dict[str, tuple[tuple[Placement, ...] | None, ...]] = field(default_factory=dict)
+    stages: list[str] | None = None
+    zero: int | None = None
+    recompute: list[str] = field(default_factory=list)
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.params = {str(k): _placements(v, f"plan param {k!r}") for k, v in dict(self.params).items()}
+        self.activations = {str(k): _activation(v, f"plan activation {k!r}") for k, v in dict(self.activations).items()}
+        for key in self.activations:
+            if not key.endswith((".input", ".output")):
+                raise PlanError(
+                    f"plan activation {key!r} must end in '.input' or '.output' (e.g. 'layers.*.mlp.input')"
+                )
+        if self.stages is not None:
+            self.stages = [str(s) for s in self.stages]
+        self.recompute = [str(r) for r in self.recompute]
+
+    # conversions ------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """From our own dict form or veScale's {"parameter": ..., "forward": ...}."""
+        data = dict(data)
+        if "parameter" in data or "forward" in data:
+            data["params"] = data.pop("parameter", {})
+            data["activations"] = data.pop("forward", {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"unknown plan fields {unknown}; a plan has {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": {k: [placement_str(p) for p in v] for k, v in self.params.items()},
+            "activations": {
+                k: [None if t is None else [placement_str(p) for p in t] for t in v]
+                for k, v in self.activations.items()
+            },
+            "stages": self.stages,
+            "zero": self.zero,
+            "recompute": list(self.recompute),
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON text; also written to `path` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """From JSON text or from a path to a .json file."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise PlanError(f"plan file {str(path)!r} does not exist")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan JSON does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan JSON must be an object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        lines = [f"Plan {self.name or '(unnamed)'}"]
+        if self.params:
+            lines.append("  parameters:")
+            width = max(map(len, self.params))
+            lines += [f"    {k:<{width}}  {', '.join(map(placement_str, v))}" for k, v in self.params.items()]
+        if self.activations:
+            lines.append("  activations:")
+            width = max(map(len, self.activations))
+            for k, v in self.activations.items():
+                shown = "; ".join("-" if t is None else ", ".join(map(placement_str, t)) for t in v)
+                lines.append(f"    {k:<{width}}  {shown}")
+        if not self.params and not self.activations:
+            lines.append("  every parameter replicated")
+        if self.stages is not None:
+            lines.append(f"  stages begin at: {', '.join(self.stages) or '(one stage)'}")
+        if self.zero is not None:
+            lines.append(f"  zero: {self.zero}")
+        if self.recompute:
+            lines.append(f"  recompute: {', '.join(self.recompute)}")
+        return "\n".join(lines)
+
+
+def as_plan(plan: "Plan | dict | str | Path | None", zoo: dict[str, Any] | None = None) -> Plan:
+    """Coerce what a user passes as `plan=` into a `Plan`."""
+    if plan is None:
+        return Plan()
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        text = str(plan)
+        if zoo is not None and text in zoo:
+            return zoo[text]()
+        if text.endswith(".json") or text.lstrip().startswith("{"):
+            return Plan.from_json(text)
+        names = ", ".join(sorted(zoo or {}))
+        raise PlanError(f"plan {text!r} is neither a zoo name ({names or 'none available'}) nor a .json file")
+    raise PlanError(f"plan={plan!r} must be a Plan, a dict, a zoo name, a .json path or None")
+

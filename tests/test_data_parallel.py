@@ -1,0 +1,139 @@
+"""Data-parallel parity: several gloo processes against one process on the whole batch."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from parity import LR, assert_parity, gpt_batches, make_gpt, reference_run, replica_slice
+
+STEPS = 5
+
+
+def _train(config: dict, factory, batches, mode: str = "train_step"):
+    pm = sw.parallelize(factory(), sw.ParallelConfig(**config))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+    index, count = sw.data_parallel_info(pm)
+    losses, extra = [], {}
+    for batch in batches:
+        local = replica_slice(batch, index, count)
+        if mode == "train_step":
+            loss = pm.train_step(local)
+        elif mode == "backward":  # plain forward + loss.backward(), gradients synced by hooks
+            loss = pm(local)
+            loss.backward()
+            loss = _mean_over_replicas(loss.detach(), pm)
+        elif mode == "no_sync":  # manual accumulation over 3 slices, one sync at the end
+            parts = [replica_slice(local, i, 3) for i in range(3)]
+            with pm.no_sync():
+                first = [pm(p) for p in parts[:2]]
+                for l in first:
+                    (l / 3).backward()
+            last = pm(parts[2])
+            (last / 3).backward()
+            loss = _mean_over_replicas(torch.stack([*first, last]).detach().mean(), pm)
+        opt.step()
+        extra["grad_none"] = sorted(n for n, p in pm.module.named_parameters() if p.grad is None)
+        if mode != "backward":
+            opt.zero_grad()
+        else:  # plain torch zero_grad(set_to_none=True): the reducer must cope
+            for p in pm.parameters():
+                p.grad = None
+        losses.append(float(loss.detach()))
+    if hasattr(pm.module, "lm_head"):
+        extra["tied"] = pm.module.lm_head.weight is pm.module.wte.weight
+    extra["reduced_bytes"] = dict(pm.gradients.stats.bytes)
+    return losses, {k: v.detach().clone() for k, v in pm.full_state_dict().items()}, extra
+
+
+def _mean_over_replicas(value: torch.Tensor, pm) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, group=pm.topology.group("dp"))
+    return value / pm.topology.sizes["dp"]
+
+
+def _check_all_ranks(results, factory, batches):
+    ref_losses, ref_state, _ = reference_run(factory, batches)
+    diffs = [assert_parity(ref_losses, ref_state, losses, state) for losses, state, _ in results]
+    return max(diffs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_dp_parity_gpt(world, microbatches):
+    factory = functools.partial(make_gpt, 0)
+    batches = gpt_batches(STEPS, batch=4 * world)
+    results = sw.testing.run_on_ranks(_train, world, {"microbatches": microbatches}, factory, batches)
+    _check_all_ranks(results, factory, batches)
+    for _, _, extra in results:
+        assert extra["tied"], "tied embedding and head must stay one parameter"
+        assert extra["grad_none"] == []
+
+
+def test_dp_plain_backward_and_no_sync():
+    factory = functools.partial(make_gpt, 0)
+    batches = gpt_batches(STEPS, batch=12)
+    for mode in ("backward", "no_sync"):
+        results = sw.testing.run_on_ranks(_train, 2, {}, factory, batches, mode)
+        _check_all_ranks(results, factory, batches)
+
+
+def test_tied_weights_reduced_once():
+    factory = functools.partial(make_gpt, 0)
+    batches = gpt_batches(STEPS, batch=8)
+    results = sw.testing.run_on_ranks(_train, 2, {}, factory, batches)
+    _check_all_ranks(results, factory, batches)
+    model = factory()
+    unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = len(list(model.parameters()))
+    side_bytes = 4 * (n_params + 1)  # unused-parameter mask + loss
+    for _, _, extra in results:
+        assert extra["reduced_bytes"]["all_reduce"] == STEPS * (unique_bytes + side_bytes)
+
+
+class Gated(nn.Module):
+    """`extra` is used only by flagged samples; `never` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, batch):
+        h = torch.tanh(self.base(batch["x"]))
+        flag = batch["flag"]
+        if bool(flag.any()):
+            h = h.clone()
+            h[flag] = h[flag] + self.extra(batch["x"][flag])
+        return nn.functional.mse_loss(self.head(h).squeeze(-1), batch["y"])
+
+
+def make_gated(seed: int = 0) -> Gated:
+    torch.manual_seed(seed)
+    return Gated()
+
+
+def gated_batches(steps: int, batch: int):
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        flag = torch.zeros(batch, dtype=torch.bool)
+        flag[: batch // 4] = True  # only the first replica of two ever sees flagged samples
+        out.append({"x": torch.randn(batch, 8, generator=gen), "y": torch.randn(batch, generator=gen), "flag": flag})
+    return out
+
+
+def test_unused_parameters():
+    batches = gated_batches(STEPS, batch=8)
+    for mode in ("train_step", "backward"):
+        results = sw.testing.run_on_ranks(_train, 2, {"bucket_mb": 0.0001}, make_gated, batches, mode)
+        _check_all_ranks(results, make_gated, batches)
+        for _, _, extra in results:
+            assert extra["grad_none"] == ["never.bias", "never.weight"]
