@@ -55,15 +55,17 @@ class ParallelModule(nn.Module):
         losses = []
         with self.gradients.manual_finish():
             for i, microbatch in enumerate(microbatches):
-                accumulate_only = self.gradients.no_sync() if i < parts - 1 else contextlib.nullcontext()
-                with accumulate_only:
+                last = i == parts - 1
+                with contextlib.nullcontext() if last else self.gradients.no_sync():
                     loss = loss_of(self.module(microbatch))
+                    losses.append(loss.detach())
+                    local_mean = torch.stack(losses).float().mean()
+                    if last and syncing:  # averaged over replicas along with the gradients
+                        self.gradients.stage_scalars(local_mean)
                     (loss / parts if parts > 1 else loss).backward()
-                losses.append(loss.detach())
-        local_mean = torch.stack(losses).float().mean().reshape(1)
         if not syncing:
-            return local_mean[0]
-        return self.gradients.finish(local_mean)[0]
+            return local_mean
+        return self.gradients.finish()[0]
 
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
@@ -81,8 +83,8 @@ class ParallelModule(nn.Module):
         self.gradients.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buckets in place; each `.grad` stays a view into its bucket."""
-        self.gradients.zero_grad()
+        """Reset gradients (to None by default), keeping the gradient buckets consistent."""
+        self.gradients.zero_grad(set_to_none)
 
     # state dicts ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -124,12 +126,13 @@ class ParallelModule(nn.Module):
             f"  config      {self.config.describe()}",
             f"  plan        {self.plan.name or ('custom' if self.plan.params else 'replicate everything')}",
             f"  parameters  {len(params)} tensors, {numel / 1e6:.3f} M elements, {nbytes / MiB:.2f} MiB on this rank ({dtypes})",
-            f"  gradients   {len(grads.buckets)} buckets averaged over ranks {self.topology.group_ranks('dp', 'cp')}",
+            f"  gradients   " + (f"{len(grads.buckets)} bucket(s) averaged over ranks {self.topology.group_ranks('dp', 'cp')}"
+                                 if grads.buckets else "one replica: plain autograd gradients, nothing to average"),
         ]
         lines += [f"              {line}" for line in grads.describe()]
         lines.append(
-            f"  comm/step   all-reduce {payload / MiB:.2f} MiB of gradients + {4 * (len(params) + 1)} B mask/loss"
-            + (f"; ring sends ≈ 2(n-1)/n × payload = {ring / MiB:.2f} MiB per rank" if n > 1 else "; nothing (one replica)")
+            f"  comm/step   all-reduce {payload / MiB:.2f} MiB (gradients + unused-mask/loss tail); ring sends "
+            f"≈ 2(n-1)/n × payload = {ring / MiB:.2f} MiB per rank" if n > 1 else "  comm/step   none"
         )
         return "\n".join(lines)
 

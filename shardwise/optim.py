@@ -27,7 +27,7 @@ class ParallelOptimizer:
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._pmodel.zero_grad()
+        self._pmodel.zero_grad(set_to_none)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm."""

@@ -94,10 +94,15 @@ def run_on_ranks(
     ]
     for proc in procs:
         proc.start()
+    finished = False
     try:
-        return _collect(procs, results, timeout)
+        out = _collect(procs, results, timeout)
+        finished = True
+        return out
     finally:
         for proc in procs:
+            if finished:  # let workers that reported run their exit handlers
+                proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
         for proc in procs:

@@ -39,8 +39,12 @@ def _train(config: dict, factory, batches, mode: str = "train_step"):
             loss = _mean_over_replicas(torch.stack([*first, last]).detach().mean(), pm)
         opt.step()
         extra["grad_none"] = sorted(n for n, p in pm.module.named_parameters() if p.grad is None)
-        if mode != "backward":
+        if mode == "no_sync":  # buckets zeroed in place, grads stay bucket views
+            opt.zero_grad(set_to_none=False)
+            assert all(p.grad is not None and not p.grad.any() for p in pm.parameters())
+        elif mode == "train_step":
             opt.zero_grad()
+            assert all(p.grad is None for p in pm.parameters())
         else:  # plain torch zero_grad(set_to_none=True): the reducer must cope
             for p in pm.parameters():
                 p.grad = None

@@ -1,18 +1,20 @@
 """Data parallelism: gradients averaged over replicas in flat buckets, overlapped with backward.
 
-Each parameter's `.grad` is a view into a flat bucket buffer, so autograd accumulates
-straight into the buffers. Buckets hold parameters in reverse registration order (roughly
-the order backward produces gradients); a post-accumulate-grad hook counts a bucket down,
+Each parameter's gradient lives in a flat bucket buffer: the first gradient of a step is
+copied in once by a post-accumulate-grad hook and `.grad` becomes a view of the bucket, so
+later microbatches accumulate straight into it. Buckets hold parameters in reverse registration order (roughly
+the order backward produces gradients); the same hook counts a bucket down,
 and the bucket's all-reduce is launched asynchronously as soon as it is full, so
 communication overlaps the rest of backward. Buckets launch strictly in order, so every
 rank issues the same collectives in the same order even when ranks see different
 parameters unused. One wait at the end of backward finishes the step.
 
-A small side collective carries, per parameter, whether any replica produced a gradient:
-a parameter no replica used ends the step with `grad = None`, exactly as it would on one
-process (an optimizer then skips it), while one used by some replicas gets the correct
-average. The same collective carries scalars such as the step's loss, so the mean loss
-over replicas costs no extra round trip.
+The last bucket to launch carries a tail: one slot per parameter saying whether this
+replica produced a gradient for it, and the step's scalars (the loss). Averaged with the
+gradients, the tail tells every rank which parameters no replica used — those end the step
+with `grad = None`, exactly as on one process, so optimizers skip them — and gives the mean
+loss over replicas, at no extra collective. (When the last bucket is not float32 the tail
+travels in a small collective of its own.)
 
 Why not torch's DistributedDataParallel: later layouts need this same pass to
 reduce-scatter (ZeRO-1/2) and to sum tensor-parallel partial gradients, and DDP owns its
@@ -35,18 +37,19 @@ from ..errors import ShardwiseError
 from ..topology import Topology
 
 MiB = 1 << 20
+SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)
 
 
 class Bucket:
-    """A flat gradient buffer for a run of parameters, synchronized by one collective."""
+    """A flat gradient buffer for a run of parameters (plus `tail` spare slots)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]):
+    def __init__(self, index: int, params: list[nn.Parameter], tail: int = 0):
         self.index = index
         self.params = params
-        self.buffer = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
-        self.views = [piece.view_as(p) for p, piece in zip(params, self.buffer.split([p.numel() for p in params]))]
+        sizes = [p.numel() for p in params]
+        self.buffer = torch.zeros(sum(sizes) + tail, dtype=params[0].dtype, device=params[0].device)
+        self.views = [piece.view_as(p) for p, piece in zip(params, self.buffer.split(sizes + [tail]))]
+        self.tail = self.buffer[sum(sizes):]
         self.pending = len(params)
         self.work: dist.Work | None = None
 
@@ -69,13 +72,19 @@ class GradientBuckets:
         self.world = dist.get_world_size(group)
         self.params = params
         self.stats = CommStats()
-        self.buckets = [Bucket(i, run) for i, run in enumerate(coalesce(reversed(params), bucket_bytes))]
+        # One replica has nothing to average: no buckets, no hooks, plain autograd gradients.
+        runs = list(coalesce(reversed(params), bucket_bytes)) if self.world > 1 else []
+        tail = len(params) + SCALAR_SLOTS
+        self._tail_in_bucket = bool(runs) and runs[-1][0].dtype == torch.float32
+        self.buckets = [
+            Bucket(i, run, tail if self._tail_in_bucket and i == len(runs) - 1 else 0) for i, run in enumerate(runs)
+        ]
         self._index = {p: i for i, p in enumerate(params)}
         self._slot = {p: (b, view) for b in self.buckets for p, view in zip(b.params, b.views)}
         self.sync_enabled = True
         self.auto_finish = True  # finish at the end of each synchronized backward
         self._reset_window()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slot]
 
     def _reset_window(self) -> None:
         self._used = [False] * len(self.params)  # any local gradient since the last sync
@@ -83,6 +92,9 @@ class GradientBuckets:
         self._next = 0  # first bucket not yet launched
         self._dirty = False  # gradients accumulated since the last sync
         self._callback_queued = False
+        self._scalars: torch.Tensor | None = None
+        self._side: torch.Tensor | None = None
+        self._side_work: dist.Work | None = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.work = None
@@ -91,7 +103,7 @@ class GradientBuckets:
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
         bucket, view = self._slot[param]
-        if param.grad.data_ptr() != view.data_ptr():  # grad was reset (set_to_none) or replaced
+        if param.grad.data_ptr() != view.data_ptr():  # first gradient since zero_grad: move it in
             view.copy_(param.grad)
             param.grad = view
         self._used[index] = self._dirty = True
@@ -113,6 +125,24 @@ class GradientBuckets:
     def _finish_after_backward(self) -> None:
         self.finish()
 
+    def stage_scalars(self, scalars: torch.Tensor) -> None:
+        """Scalars (at most SCALAR_SLOTS) to average with this step's gradients.
+
+        Call before the step's last backward; `finish()` returns their mean over replicas.
+        """
+        scalars = scalars.detach().reshape(-1).float()
+        if scalars.numel() > SCALAR_SLOTS:
+            raise ShardwiseError(f"at most {SCALAR_SLOTS} step scalars can be averaged, got {scalars.numel()}")
+        self._scalars = scalars
+
+    def _side_values(self) -> torch.Tensor:
+        device = self.buckets[-1].buffer.device
+        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=device)
+        side[: len(self.params)] = torch.tensor(self._used, dtype=torch.float32)
+        if self._scalars is not None:
+            side[len(self.params): len(self.params) + self._scalars.numel()] = self._scalars
+        return side
+
     def _launch(self, bucket: Bucket) -> None:
         if bucket.pending:  # parameters with no gradient in this backward
             for param, view in zip(bucket.params, bucket.views):
@@ -122,43 +152,45 @@ class GradientBuckets:
                     view.copy_(param.grad)
                 param.grad = view
         if self.world > 1:
+            if bucket.tail.numel():  # the last bucket: mask and scalars ride along
+                bucket.tail.copy_(self._side_values())
             bucket.buffer.mul_(1.0 / self.world)
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if bucket is self.buckets[-1] and not self._tail_in_bucket:
+                self._side = self._side_values().mul_(1.0 / self.world)
+                self.stats.record("all_reduce", self._side)
+                self._side_work = dist.all_reduce(self._side, group=self.group, async_op=True)
         self._next = bucket.index + 1
 
-    def finish(self, scalars: torch.Tensor | None = None) -> torch.Tensor | None:
+    def finish(self) -> torch.Tensor | None:
         """Complete synchronization: launch what is left, wait once, settle unused params.
 
-        `scalars` (a 1-d float tensor, e.g. the local mean loss) are averaged over the
-        group in the same side collective; the averages are returned.
+        Returns the mean over replicas of the scalars staged with `stage_scalars`, if any.
         """
-        if not self._dirty and scalars is None:
+        if not self._dirty and self._scalars is None:
             return None
+        if not self.buckets:  # one replica: gradients are already final
+            scalars = self._scalars
+            self._reset_window()
+            return scalars
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
-        n = len(self.params)
-        if scalars is not None:
-            scalars = scalars.detach().to(self.buckets[0].buffer.device, torch.float32).reshape(-1)
-        side, side_work = None, None
-        if self.world > 1:
-            side = torch.tensor(self._used, dtype=torch.float32, device=self.buckets[0].buffer.device)
-            if scalars is not None:
-                side = torch.cat([side, scalars])
-            self.stats.record("all_reduce", side)
-            side_work = dist.all_reduce(side, group=self.group, async_op=True)
         for bucket in self.buckets:
             wait(bucket.work, f"all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", self.group)
-        wait(side_work, "all-reduce of the unused-parameter mask and step scalars", self.group)
+        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.group)
+        n = len(self.params)
+        side = self.buckets[-1].tail if self._tail_in_bucket else self._side
         if not all(self._used):  # a locally unused parameter keeps its grad only if a peer used it
             used_anywhere = self._used if side is None else side[:n].tolist()
             for param, used in zip(self.params, used_anywhere):
                 if not used:  # as on one process: no gradient at all, so optimizers skip it
                     param.grad = None
+        scalars = self._scalars
+        if scalars is not None and side is not None:
+            scalars = side[n: n + scalars.numel()].clone()
         self._reset_window()
-        if scalars is None or side is None:
-            return scalars
-        return side[n:] / self.world
+        return scalars
 
     # controls ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -179,22 +211,34 @@ class GradientBuckets:
             self.auto_finish = previous
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
-        """Zero every bucket and point each `.grad` back at its bucket view."""
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients as `torch.optim.Optimizer.zero_grad` does.
+
+        With `set_to_none` (the default) each `.grad` becomes None and the next backward's
+        gradient is moved into its bucket once; otherwise buckets are zeroed in place.
+        """
+        for param in self.params:
+            if set_to_none:
+                param.grad = None
+            elif param not in self._slot:
+                if param.grad is not None:
+                    param.grad.zero_()
+        if not set_to_none:
+            for bucket in self.buckets:
+                bucket.buffer.zero_()
+                for param, view in zip(bucket.params, bucket.views):
+                    param.grad = view
 
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
 
     def describe(self) -> list[str]:
-        lines = []
-        for b in self.buckets:
-            lines.append(f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB {b.buffer.dtype}")
-        return lines
+        return [
+            f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB {str(b.buffer.dtype).replace('torch.', '')}"
+            + (f" (incl. {b.tail.numel()}-slot mask/loss tail)" if b.tail.numel() else "")
+            for b in self.buckets
+        ]
 
 
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig) -> GradientBuckets:

@@ -1,0 +1,66 @@
+"""run_on_ranks: results in rank order, worker errors re-raised with rank and traceback,
+dead and hanging workers reported instead of waited on."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+
+
+def _sum_of_ranks(scale):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "env": os.environ["RANK"], "sum": float(t) * scale, "tensor": t}
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from the worker")
+    dist.barrier()
+
+
+def _die_on_rank_two():
+    if dist.get_rank() == 2:
+        os._exit(3)
+    time.sleep(60)
+
+
+def _hang():
+    time.sleep(60)
+
+
+def test_results_come_back_in_rank_order():
+    results = sw.testing.run_on_ranks(_sum_of_ranks, 3, 2.0)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert [r["env"] for r in results] == ["0", "1", "2"]
+    assert all(r["sum"] == 6.0 for r in results)
+    assert isinstance(results[0]["tensor"], torch.Tensor)
+
+
+def test_worker_exception_names_rank_and_traceback():
+    with pytest.raises(sw.RankFailedError) as info:
+        sw.testing.run_on_ranks(_raise_on_rank_one, 2, timeout=60)
+    message = str(info.value)
+    assert "rank 1 of 2 raised" in message
+    assert "ValueError: boom from the worker" in message
+    assert "_raise_on_rank_one" in message  # the worker's traceback
+
+
+def test_dead_worker_is_reported_not_waited_on():
+    start = time.monotonic()
+    with pytest.raises(sw.RankFailedError, match="rank 2 of 3 died with exit code 3"):
+        sw.testing.run_on_ranks(_die_on_rank_two, 3, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_hanging_workers_are_killed_after_timeout():
+    start = time.monotonic()
+    with pytest.raises(sw.RankFailedError, match=r"ranks \[0, 1\] of 2 did not finish within 2s"):
+        sw.testing.run_on_ranks(_hang, 2, timeout=2)
+    assert time.monotonic() - start < 20

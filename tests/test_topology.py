@@ -1,0 +1,92 @@
+"""Rank layout: every rank is in each of its own groups, families partition the world,
+tp peers are consecutive; and the real process groups follow the same layout."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.config import divisors
+from shardwise.topology import MESH_DIMS, group_family, rank_coordinates, rank_grid
+
+
+def factorizations(world: int):
+    for pp in divisors(world):
+        for dp in divisors(world // pp):
+            for cp in divisors(world // (pp * dp)):
+                yield {"pp": pp, "dp": dp, "cp": cp, "tp": world // (pp * dp * cp)}
+
+
+def all_dim_sets():
+    return [dims for k in range(1, 5) for dims in itertools.combinations(MESH_DIMS, k)]
+
+
+def test_layout_for_every_shape_up_to_64():
+    shapes = 0
+    for world in range(1, 65):
+        for sizes in factorizations(world):
+            shapes += 1
+            grid = rank_grid(sizes)
+            coords = [rank_coordinates(r, sizes) for r in range(world)]
+            for dims in all_dim_sets():
+                family = group_family(grid, dims)
+                size = 1
+                for d in dims:
+                    size *= sizes[d]
+                members = sorted(r for g in family for r in g)
+                assert members == list(range(world)), (sizes, dims, "groups must partition the world")
+                for group in family:
+                    assert len(group) == size
+                    # ranks in a group agree on every coordinate outside `dims`
+                    outside = {tuple(coords[r][d] for d in MESH_DIMS if d not in dims) for r in group}
+                    assert len(outside) == 1, (sizes, dims, group)
+                    if len(dims) == 1:  # group rank == coordinate along that dim
+                        assert [coords[r][dims[0]] for r in group] == list(range(size))
+            for r in range(world):
+                # rank r's coordinates put it back at r on the grid
+                assert int(grid[tuple(coords[r][d] for d in MESH_DIMS)]) == r
+                base = r - coords[r]["tp"]
+                tp_group = next(g for g in group_family(grid, ["tp"]) if r in g)
+                assert tp_group == list(range(base, base + sizes["tp"])), "tp peers must be consecutive"
+    assert shapes > 1000
+
+
+def _real_groups(config: dict):
+    pm_topology = sw.Topology(sw.ParallelConfig(**config))
+    out = {}
+    for dims in all_dim_sets():
+        group = pm_topology.group(*dims)
+        ranks = dist.get_process_group_ranks(group)
+        value = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(value, group=group)  # a real collective over the group
+        out[dims] = (ranks, pm_topology.group_ranks(*dims), float(value))
+    mesh = pm_topology.mesh
+    return {
+        "rank": dist.get_rank(),
+        "groups": out,
+        "coords": pm_topology.coordinates,
+        "mesh_coord": tuple(mesh.get_coordinate()),
+        "mesh_tp": dist.get_process_group_ranks(mesh.get_group("tp")),
+    }
+
+
+@pytest.mark.parametrize("config", [{"pp": 2, "tp": 2}, {"cp": 2, "tp": 2}, {"tp": 4}])
+def test_real_groups_match_layout(config):
+    results = sw.testing.run_on_ranks(_real_groups, 8, config)
+    sizes = sw.ParallelConfig(**config).resolve(8)
+    sizes = {d: getattr(sizes, d) for d in MESH_DIMS}
+    grid = rank_grid(sizes)
+    for res in results:
+        rank = res["rank"]
+        assert res["coords"] == rank_coordinates(rank, sizes)
+        assert res["mesh_coord"] == tuple(res["coords"][d] for d in MESH_DIMS)
+        for dims, (ranks, expected, total) in res["groups"].items():
+            want = next(g for g in group_family(grid, dims) if rank in g)
+            assert ranks == expected == want
+            assert rank in ranks
+            assert total == float(sum(want))
+        assert res["mesh_tp"] == res["groups"][("tp",)][0]

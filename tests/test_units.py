@@ -1,0 +1,80 @@
+"""Single-process pieces: batch splitting, plans as data, the single-rank path."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import shardwise as sw
+from shardwise.batch import split_batch
+
+
+def test_split_nested_batch():
+    Pair = namedtuple("Pair", "a b")
+    batch = {"x": torch.arange(8).view(8, 1), "meta": {"ids": [torch.arange(8), "tag"]}, "p": Pair(torch.ones(8), torch.tensor(2.0))}
+    parts = split_batch(batch, 4)
+    assert len(parts) == 4
+    assert parts[1]["x"].flatten().tolist() == [2, 3]
+    assert parts[3]["meta"]["ids"][0].tolist() == [6, 7] and parts[3]["meta"]["ids"][1] == "tag"
+    assert isinstance(parts[2]["p"], Pair) and parts[2]["p"].b.item() == 2.0
+    assert split_batch(batch, 1) == [batch]
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    plan = sw.Plan(
+        params={"layers.*.attn.q_proj.weight": [Shard(0)], "re:layers\\.\\d+\\.mlp\\.fc2\\.weight": ["Shard(1)"]},
+        activations={"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": "Partial()"},
+        stages=["layers.2"], zero=1, recompute=["layers.*"], name="demo",
+    )
+    assert plan.activations["layers.*.mlp.output"] == ((Partial(),),)
+    again = sw.Plan.from_json(plan.to_json())
+    assert again == plan
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    assert sw.Plan.from_json(path) == plan
+    text = str(plan)
+    assert "layers.*.attn.q_proj.weight" in text and "Shard(0)" in text and "stages begin at: layers.2" in text
+
+
+def test_plan_accepts_vescale_dict_form():
+    plan = sw.Plan.from_dict({
+        "parameter": {"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)], "fc2.weight": [Shard(1)], "fc2.bias": [Replicate()]},
+        "forward": {"fc1.input": [[Replicate()]], "fc2.output": [[Replicate()]]},
+    })
+    assert plan.params["fc2.weight"] == (Shard(1),)
+    assert plan.activations["fc1.input"] == ((Replicate(),),)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ({"params": {"a.weight": "Shard()"}}, r"'Shard\(\)' needs a dimension"),
+    ({"params": {"a.weight": "Sharded(0)"}}, r"'Sharded\(0\)' is not a placement"),
+    ({"activations": {"a.inputs": "Replicate()"}}, r"must end in '.input' or '.output'"),
+    ({"placements": {}}, r"unknown plan fields \['placements'\]"),
+])
+def test_bad_plans(bad, pattern):
+    with pytest.raises(sw.PlanError, match=pattern):
+        sw.Plan.from_dict(bad)
+
+
+def test_single_rank_path_matches_plain_module():
+    """world size 1: the wrapper trains exactly like the plain module."""
+    from parity import LR, gpt_batches, make_gpt, max_diff, reference_run
+
+    batches = gpt_batches(3, 4)
+    ref_losses, ref_state, _ = reference_run(lambda: make_gpt(0), batches)
+    pm = sw.parallelize(make_gpt(0))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+    losses = []
+    for b in batches:
+        losses.append(float(pm.train_step(b)))
+        opt.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    assert max_diff(ref_state, pm.full_state_dict()) == 0.0
+    assert "world 1" in pm.summary()
+    out = pm.infer_step(batches[0])
+    assert out.dim() == 0 and not out.requires_grad
+    assert torch.equal(out, pm.module(batches[0]).detach())
