@@ -141,3 +141,18 @@ def test_unused_parameters():
         _check_all_ranks(results, make_gated, batches)
         for _, _, extra in results:
             assert extra["grad_none"] == ["never.bias", "never.weight"]
+
+
+def _launch_timing():
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(bucket_mb=0.02))
+    seen = []
+    # wpe's gradient is among the last backward produces; by then most buckets must be in flight
+    pm.module.wpe.weight.register_post_accumulate_grad_hook(lambda p: seen.append(pm.gradients.stats.calls["all_reduce"]))
+    pm.train_step(gpt_batches(1, 4)[0][:2])
+    return seen[0], pm.gradients.stats.calls["all_reduce"], len(pm.gradients.buckets)
+
+
+def test_buckets_launch_during_backward():
+    launched_early, total, buckets = sw.testing.run_on_ranks(_launch_timing, 2)[0]
+    assert buckets > 4 and total == buckets  # one collective per bucket, nothing else
+    assert launched_early >= buckets - 2, (launched_early, buckets)
