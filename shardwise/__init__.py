@@ -1,7 +1,8 @@
 """shardwise: train a single-device torch.nn.Module across many devices, computing what it computes on one."""
 
-from . import testing
+from . import plan, testing
 from .config import ParallelConfig
+from .deferred import deferred_init
 from .errors import (
     BatchError,
     CheckpointError,
@@ -35,7 +36,9 @@ __all__ = [
     "Topology",
     "build_optimizer",
     "data_parallel_info",
+    "deferred_init",
     "init_distributed",
     "parallelize",
+    "plan",
     "testing",
 ]

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .errors import BatchError, ModelError
 
@@ -77,12 +78,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def loss_of(output: Any) -> torch.Tensor:
-    """The loss a module's forward returned first; `ModelError` unless it is a scalar with grad."""
+    """The loss a module's forward returned first; `ModelError` unless it is a scalar with grad.
+
+    A DTensor loss (from a loss-parallel head) is returned as its full, replicated value.
+    """
     loss = output
     if isinstance(output, Mapping):
         loss = output["loss"] if "loss" in output else next(iter(output.values()), None)
     elif isinstance(output, (list, tuple)):
         loss = output[0] if output else None
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ModelError(

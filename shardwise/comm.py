@@ -14,6 +14,9 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from .errors import CommunicationError
 
 
@@ -52,20 +55,50 @@ class CommStats:
         return sum(self.bytes.values())
 
 
-def coalesce(tensors: Iterable[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Runs of tensors of one dtype and device, each run at most `cap_bytes` (or one tensor)."""
-    runs: dict[tuple, list[torch.Tensor]] = {}
-    sizes: dict[tuple, int] = {}
-    for tensor in tensors:
-        key = (tensor.dtype, tensor.device)
-        nbytes = tensor.numel() * tensor.element_size()
-        if key in runs and sizes[key] + nbytes > cap_bytes:
-            yield runs.pop(key)
-        if key in runs:
-            runs[key].append(tensor)
-            sizes[key] += nbytes
+class CollectiveCounter(TorchDispatchMode):
+    """Counts functional collectives (ours and DTensor's) and their input bytes while active.
+
+    `with CollectiveCounter() as c: step()` then `c.calls["all_reduce"]`, `c.bytes[...]`.
+    torch's CommDebugMode does the same but its module tracker fails on a module called
+    twice in one forward (a shared dropout), so shardwise counts with this instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    _NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+              "broadcast_": "broadcast", "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor_coalesced": "all_gather"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into collectives, which come back here
+        name = self._NAMES.get(func._opname) if func.namespace in ("_c10d_functional", "c10d_functional") else None
+        if name is not None:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.calls[name] += 1
+            self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def coalesce(items: Iterable, cap_bytes: int, key=None, nbytes=None) -> Iterator[list]:
+    """Runs of items with one key (default: a tensor's dtype and device), each at most
+    `cap_bytes` (or a single item). Runs come out in the order they fill."""
+    key = key or (lambda t: (t.dtype, t.device))
+    nbytes = nbytes or (lambda t: t.numel() * t.element_size())
+    runs: dict = {}
+    sizes: dict = {}
+    for item in items:
+        k, size = key(item), nbytes(item)
+        if k in runs and sizes[k] + size > cap_bytes:
+            yield runs.pop(k)
+        if k in runs:
+            runs[k].append(item)
+            sizes[k] += size
         else:
-            runs[key], sizes[key] = [tensor], nbytes
+            runs[k], sizes[k] = [item], size
     yield from runs.values()
 
 
@@ -87,3 +120,16 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, cap
         wait(dist.broadcast(flat, src=src, group=group, async_op=True), "parameter broadcast", group)
         for tensor, piece in zip(run, flat.split([t.numel() for t in run])):
             tensor.copy_(piece.view_as(tensor))
+
+
+def broadcast_rng_state(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Give every rank of `group` the first rank's random state (CPU, and the accelerator's)."""
+    if dist.get_world_size(group) == 1:
+        return
+    state = torch.get_rng_state().to(device)
+    wait(dist.broadcast(state, src=dist.get_global_rank(group, 0), group=group, async_op=True), "rng broadcast", group)
+    torch.set_rng_state(state.cpu())
+    if device.type == "cuda":
+        cuda = torch.cuda.get_rng_state().to(device)
+        wait(dist.broadcast(cuda, src=dist.get_global_rank(group, 0), group=group, async_op=True), "rng broadcast", group)
+        torch.cuda.set_rng_state(cuda.cpu())

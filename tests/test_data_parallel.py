@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from parity import LR, assert_parity, gpt_batches, make_gpt, reference_run, replica_slice
+from parity import LR, assert_parity, full_grads, gpt_batches, make_gpt, reference_run, replica_slice
 
 STEPS = 5
 
@@ -19,7 +19,7 @@ def _train(config: dict, factory, batches, mode: str = "train_step"):
     pm = sw.parallelize(factory(), sw.ParallelConfig(**config))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
     index, count = sw.data_parallel_info(pm)
-    losses, extra = [], {}
+    losses, extra, grads = [], {}, None
     for batch in batches:
         local = replica_slice(batch, index, count)
         if mode == "train_step":
@@ -37,6 +37,7 @@ def _train(config: dict, factory, batches, mode: str = "train_step"):
             last = pm(parts[2])
             (last / 3).backward()
             loss = _mean_over_replicas(torch.stack([*first, last]).detach().mean(), pm)
+        grads = grads or full_grads(pm.module)
         opt.step()
         extra["grad_none"] = sorted(n for n, p in pm.module.named_parameters() if p.grad is None)
         if mode == "no_sync":  # buckets zeroed in place, grads stay bucket views
@@ -52,7 +53,7 @@ def _train(config: dict, factory, batches, mode: str = "train_step"):
     if hasattr(pm.module, "lm_head"):
         extra["tied"] = pm.module.lm_head.weight is pm.module.wte.weight
     extra["reduced_bytes"] = dict(pm.gradients.stats.bytes)
-    return losses, {k: v.detach().clone() for k, v in pm.full_state_dict().items()}, extra
+    return losses, {k: v.detach().clone() for k, v in pm.full_state_dict().items()}, grads, extra
 
 
 def _mean_over_replicas(value: torch.Tensor, pm) -> torch.Tensor:
@@ -62,9 +63,8 @@ def _mean_over_replicas(value: torch.Tensor, pm) -> torch.Tensor:
 
 
 def _check_all_ranks(results, factory, batches):
-    ref_losses, ref_state, _ = reference_run(factory, batches)
-    diffs = [assert_parity(ref_losses, ref_state, losses, state) for losses, state, _ in results]
-    return max(diffs)
+    reference = reference_run(factory, batches)
+    return max(assert_parity(reference, result) for result in results)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -74,7 +74,7 @@ def test_dp_parity_gpt(world, microbatches):
     batches = gpt_batches(STEPS, batch=4 * world)
     results = sw.testing.run_on_ranks(_train, world, {"microbatches": microbatches}, factory, batches)
     _check_all_ranks(results, factory, batches)
-    for _, _, extra in results:
+    for *_, extra in results:
         assert extra["tied"], "tied embedding and head must stay one parameter"
         assert extra["grad_none"] == []
 
@@ -96,7 +96,7 @@ def test_tied_weights_reduced_once():
     unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = len(list(model.parameters()))
     side_bytes = 4 * (n_params + 1)  # unused-parameter mask + loss
-    for _, _, extra in results:
+    for *_, extra in results:
         assert extra["reduced_bytes"]["all_reduce"] == STEPS * (unique_bytes + side_bytes)
 
 
@@ -139,7 +139,7 @@ def test_unused_parameters():
     for mode in ("train_step", "backward"):
         results = sw.testing.run_on_ranks(_train, 2, {"bucket_mb": 0.0001}, make_gated, batches, mode)
         _check_all_ranks(results, make_gated, batches)
-        for _, _, extra in results:
+        for *_, extra in results:
             assert extra["grad_none"] == ["never.bias", "never.weight"]
 
 

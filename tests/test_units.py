@@ -64,7 +64,7 @@ def test_single_rank_path_matches_plain_module():
     from parity import LR, gpt_batches, make_gpt, max_diff, reference_run
 
     batches = gpt_batches(3, 4)
-    ref_losses, ref_state, _ = reference_run(lambda: make_gpt(0), batches)
+    ref_losses, ref_state, *_ = reference_run(lambda: make_gpt(0), batches)
     pm = sw.parallelize(make_gpt(0))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
     losses = []

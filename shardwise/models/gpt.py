@@ -2,9 +2,11 @@
 
 End2end: `forward(batch)` returns the mean next-token cross-entropy, where `batch` is a
 LongTensor of shape (B, T + 1) (inputs are the first T tokens, targets the last T) or a
-dict with "input_ids" and "labels" of shape (B, T). Attention reshapes with -1 heads so a
-tensor-parallel shard (fewer local heads) runs the same code; the output head shares the
-token embedding's weight by default.
+dict with "input_ids" and "labels" of shape (B, T). Attention reshapes with -1 heads and
+takes the sequence length from its projections, so a tensor-parallel shard (fewer local
+heads) or a sequence shard runs the same code; the output head shares the token
+embedding's weight by default. `attn_dropout` drops attention probabilities inside SDPA;
+`dropout` applies to embeddings and residual branches.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 64
     dropout: float = 0.0
+    attn_dropout: float = 0.0
     tie_embeddings: bool = True
 
 
@@ -42,11 +45,12 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = cfg.dropout
+        self.dropout = cfg.attn_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]  # from the projections: under sequence parallelism x is a sequence shard
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 

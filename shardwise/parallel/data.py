@@ -2,12 +2,19 @@
 
 Each parameter's gradient lives in a flat bucket buffer: the first gradient of a step is
 copied in once by a post-accumulate-grad hook and `.grad` becomes a view of the bucket, so
-later microbatches accumulate straight into it. Buckets hold parameters in reverse registration order (roughly
-the order backward produces gradients); the same hook counts a bucket down,
-and the bucket's all-reduce is launched asynchronously as soon as it is full, so
-communication overlaps the rest of backward. Buckets launch strictly in order, so every
+later microbatches accumulate straight into it. Buckets hold parameters in reverse
+registration order (roughly the order backward produces gradients); the same hook counts a
+bucket down, and the bucket's all-reduce is launched asynchronously as soon as it is full,
+so communication overlaps the rest of backward. Buckets launch strictly in order, so every
 rank issues the same collectives in the same order even when ranks see different
 parameters unused. One wait at the end of backward finishes the step.
+
+Each parameter is reduced over its own group with its own scale: the data-parallel ranks
+(mean), or, for a replicated parameter whose gradient is partial over tensor-parallel ranks
+(a norm under sequence parallelism), data- and tensor-parallel ranks together (sum over tp,
+mean over dp) — one collective, in the same pass, instead of re-reducing the partial
+gradient each time an optimizer reads it. DTensor parameters are reduced through their
+local shards.
 
 The last bucket to launch carries a tail: one slot per parameter saying whether this
 replica produced a gradient for it, and the step's scalars (the loss). Averaged with the
@@ -16,40 +23,67 @@ with `grad = None`, exactly as on one process, so optimizers skip them — and g
 loss over replicas, at no extra collective. (When the last bucket is not float32 the tail
 travels in a small collective of its own.)
 
-Why not torch's DistributedDataParallel: later layouts need this same pass to
-reduce-scatter (ZeRO-1/2) and to sum tensor-parallel partial gradients, and DDP owns its
-buckets; DDP also makes unused parameters a mode (find_unused_parameters) with its own
-cost, where here they are always handled.
+Why not torch's DistributedDataParallel: the same pass must reduce-scatter (ZeRO-1/2) and
+sum tensor-parallel partial gradients, and DDP owns its buckets; DDP also makes unused
+parameters a mode (find_unused_parameters) with its own cost, where here they are always
+handled.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..comm import CommStats, broadcast_tensors, coalesce, wait
 from ..config import ParallelConfig
 from ..errors import ShardwiseError
 from ..topology import Topology
+from .tensor import TensorParallel, local
 
 MiB = 1 << 20
 SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)
 
 
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Where a parameter's gradient is summed, and the factor applied first."""
+
+    group: dist.ProcessGroup
+    scale: float
+    label: str
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+def _as_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+    """`view` as a gradient of `param`: a DTensor with the parameter's layout if it is one."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return view
+
+
 class Bucket:
     """A flat gradient buffer for a run of parameters (plus `tail` spare slots)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], tail: int = 0):
+    def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, tail: int = 0):
         self.index = index
         self.params = params
-        sizes = [p.numel() for p in params]
-        self.buffer = torch.zeros(sum(sizes) + tail, dtype=params[0].dtype, device=params[0].device)
-        self.views = [piece.view_as(p) for p, piece in zip(params, self.buffer.split(sizes + [tail]))]
-        self.tail = self.buffer[sum(sizes):]
+        self.reduce = reduce
+        shards = [local(p) for p in params]
+        sizes = [t.numel() for t in shards]
+        self.buffer = torch.zeros(sum(sizes) + tail, dtype=shards[0].dtype, device=shards[0].device)
+        pieces = self.buffer.split(sizes + [tail])
+        self.views = [piece.view_as(t) for t, piece in zip(shards, pieces)]
+        self.tail = pieces[-1]
         self.pending = len(params)
         self.work: dist.Work | None = None
 
@@ -59,25 +93,26 @@ class Bucket:
 
 
 class GradientBuckets:
-    """Bucketed, overlapped gradient averaging over one process group.
+    """Bucketed, overlapped gradient reduction, each parameter over its `ReduceGroup`.
 
     `no_sync()` accumulates without communicating; the next synchronized backward (or
     `finish()`) reduces everything accumulated since the last synchronization.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int):
+    def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int):
         if not params:
             raise ShardwiseError("no trainable parameters to synchronize")
-        self.group = group
-        self.world = dist.get_world_size(group)
         self.params = params
         self.stats = CommStats()
-        # One replica has nothing to average: no buckets, no hooks, plain autograd gradients.
-        runs = list(coalesce(reversed(params), bucket_bytes)) if self.world > 1 else []
+        # A parameter whose group is one rank has nothing to reduce: plain autograd gradient.
+        synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if r.size > 1]
+        runs = list(coalesce(synced, bucket_bytes, key=lambda pr: (local(pr[0]).dtype, local(pr[0]).device, pr[1]),
+                             nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
         tail = len(params) + SCALAR_SLOTS
-        self._tail_in_bucket = bool(runs) and runs[-1][0].dtype == torch.float32
+        self._tail_in_bucket = bool(runs) and local(runs[-1][0][0]).dtype == torch.float32
         self.buckets = [
-            Bucket(i, run, tail if self._tail_in_bucket and i == len(runs) - 1 else 0) for i, run in enumerate(runs)
+            Bucket(i, [p for p, _ in run], run[0][1], tail if self._tail_in_bucket and i == len(runs) - 1 else 0)
+            for i, run in enumerate(runs)
         ]
         self._index = {p: i for i, p in enumerate(params)}
         self._slot = {p: (b, view) for b in self.buckets for p, view in zip(b.params, b.views)}
@@ -85,6 +120,10 @@ class GradientBuckets:
         self.auto_finish = True  # finish at the end of each synchronized backward
         self._reset_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slot]
+
+    @property
+    def groups(self) -> list[ReduceGroup]:
+        return list(dict.fromkeys(b.reduce for b in self.buckets))
 
     def _reset_window(self) -> None:
         self._used = [False] * len(self.params)  # any local gradient since the last sync
@@ -103,9 +142,10 @@ class GradientBuckets:
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
         bucket, view = self._slot[param]
-        if param.grad.data_ptr() != view.data_ptr():  # first gradient since zero_grad: move it in
-            view.copy_(param.grad)
-            param.grad = view
+        grad = local(param.grad)
+        if grad.data_ptr() != view.data_ptr():  # first gradient since zero_grad: move it in
+            view.copy_(grad)
+            param.grad = _as_grad(param, view)
         self._used[index] = self._dirty = True
         if not self.sync_enabled:
             return
@@ -135,32 +175,32 @@ class GradientBuckets:
             raise ShardwiseError(f"at most {SCALAR_SLOTS} step scalars can be averaged, got {scalars.numel()}")
         self._scalars = scalars
 
-    def _side_values(self) -> torch.Tensor:
-        device = self.buckets[-1].buffer.device
-        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=device)
+    def _side_values(self, size: int) -> torch.Tensor:
+        """Mask and scalars, pre-divided by the group size so the sum is their mean."""
+        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=self.buckets[-1].buffer.device)
         side[: len(self.params)] = torch.tensor(self._used, dtype=torch.float32)
         if self._scalars is not None:
             side[len(self.params): len(self.params) + self._scalars.numel()] = self._scalars
-        return side
+        return side.div_(size)
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.pending:  # parameters with no gradient in this backward
             for param, view in zip(bucket.params, bucket.views):
                 if param.grad is None:
                     view.zero_()  # a peer's gradient may still arrive; finish() decides
-                elif param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)
-                param.grad = view
-        if self.world > 1:
-            if bucket.tail.numel():  # the last bucket: mask and scalars ride along
-                bucket.tail.copy_(self._side_values())
-            bucket.buffer.mul_(1.0 / self.world)
-            self.stats.record("all_reduce", bucket.buffer)
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-            if bucket is self.buckets[-1] and not self._tail_in_bucket:
-                self._side = self._side_values().mul_(1.0 / self.world)
-                self.stats.record("all_reduce", self._side)
-                self._side_work = dist.all_reduce(self._side, group=self.group, async_op=True)
+                elif local(param.grad).data_ptr() != view.data_ptr():
+                    view.copy_(local(param.grad))
+                param.grad = _as_grad(param, view)
+        reduce = bucket.reduce
+        bucket.buffer.mul_(reduce.scale)
+        if bucket.tail.numel():  # the last bucket: mask and scalars ride along
+            bucket.tail.copy_(self._side_values(reduce.size))
+        self.stats.record("all_reduce", bucket.buffer)
+        bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
+        if bucket is self.buckets[-1] and not self._tail_in_bucket:
+            self._side = self._side_values(reduce.size)
+            self.stats.record("all_reduce", self._side)
+            self._side_work = dist.all_reduce(self._side, group=reduce.group, async_op=True)
         self._next = bucket.index + 1
 
     def finish(self) -> torch.Tensor | None:
@@ -170,24 +210,25 @@ class GradientBuckets:
         """
         if not self._dirty and self._scalars is None:
             return None
-        if not self.buckets:  # one replica: gradients are already final
+        if not self.buckets:  # nothing to reduce: gradients are already final
             scalars = self._scalars
             self._reset_window()
             return scalars
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            wait(bucket.work, f"all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", self.group)
-        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.group)
+            what = f"all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)"
+            wait(bucket.work, what, bucket.reduce.group)
+        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.buckets[-1].reduce.group)
         n = len(self.params)
         side = self.buckets[-1].tail if self._tail_in_bucket else self._side
-        if not all(self._used):  # a locally unused parameter keeps its grad only if a peer used it
-            used_anywhere = self._used if side is None else side[:n].tolist()
-            for param, used in zip(self.params, used_anywhere):
-                if not used:  # as on one process: no gradient at all, so optimizers skip it
+        if not all(self._used[self._index[p]] for p in self._slot):
+            used_anywhere = side[:n].tolist()
+            for param in self._slot:  # no replica produced a gradient: as on one process, none
+                if not used_anywhere[self._index[param]]:
                     param.grad = None
         scalars = self._scalars
-        if scalars is not None and side is not None:
+        if scalars is not None:
             scalars = side[n: n + scalars.numel()].clone()
         self._reset_window()
         return scalars
@@ -220,14 +261,13 @@ class GradientBuckets:
         for param in self.params:
             if set_to_none:
                 param.grad = None
-            elif param not in self._slot:
-                if param.grad is not None:
-                    param.grad.zero_()
+            elif param not in self._slot and param.grad is not None:
+                param.grad.zero_()
         if not set_to_none:
             for bucket in self.buckets:
                 bucket.buffer.zero_()
                 for param, view in zip(bucket.params, bucket.views):
-                    param.grad = view
+                    param.grad = _as_grad(param, view)
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -235,21 +275,27 @@ class GradientBuckets:
 
     def describe(self) -> list[str]:
         return [
-            f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB {str(b.buffer.dtype).replace('torch.', '')}"
+            f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB "
+            f"{str(b.buffer.dtype).replace('torch.', '')} over {b.reduce.label}"
             + (f" (incl. {b.tail.numel()}-slot mask/loss tail)" if b.tail.numel() else "")
             for b in self.buckets
         ]
 
 
-def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig) -> GradientBuckets:
+def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
+                        tensor_parallel: TensorParallel | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
-    Parameters and buffers are broadcast from the group's first rank; gradients are
-    averaged over the data-parallel (and context-parallel) ranks.
+    Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
+    gradients are averaged over the data-parallel (and context-parallel) ranks, and those
+    that are partial over tensor-parallel ranks are summed over them in the same pass.
     """
-    group = topology.group("dp", "cp")
+    dp = ReduceGroup(topology.group("dp", "cp"), 1.0 / topology.size("dp", "cp"), "dp")
+    partial = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
+    dp_tp = ReduceGroup(topology.group("dp", "cp", "tp"), dp.scale, "dp+tp (partial over tp)") if partial else dp
+    params = [p for p in module.parameters() if p.requires_grad]
     bucket_bytes = int(config.bucket_mb * MiB)
-    buckets = GradientBuckets([p for p in module.parameters() if p.requires_grad], group, bucket_bytes)
-    state = list(module.parameters()) + list(module.buffers())
-    broadcast_tensors([t.data for t in state], group, bucket_bytes, buckets.stats)
+    buckets = GradientBuckets(params, [dp_tp if id(p) in partial else dp for p in params], bucket_bytes)
+    state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
+    broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
     return buckets

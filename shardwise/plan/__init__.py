@@ -1,5 +1,31 @@
 """Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data."""
 
-from .plan import Plan, as_plan, parse_placement, placement_str
+from __future__ import annotations
 
-__all__ = ["Plan", "as_plan", "parse_placement", "placement_str"]
+from pathlib import Path
+
+from ..config import ParallelConfig
+from ..errors import PlanError
+from .named import zoo
+from .plan import Plan, parse_placement, placement_str
+from .resolve import ResolvedPlan, resolve_plan
+
+__all__ = ["Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "zoo"]
+
+
+def as_plan(plan: "Plan | dict | str | Path | None", config: ParallelConfig) -> Plan:
+    """What a user passes as `plan=`: a Plan, a dict, a zoo name, a .json path/text, or None."""
+    if plan is None:
+        return Plan()
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        text = str(plan)
+        if text in zoo:
+            return zoo[text](config)
+        if text.endswith(".json") or text.lstrip().startswith("{"):
+            return Plan.from_json(text)
+        raise PlanError(f"plan {text!r} is neither a zoo plan ({', '.join(zoo)}) nor a .json file or JSON text")
+    raise PlanError(f"plan={plan!r} must be a Plan, a dict, a zoo name, a .json path or None")

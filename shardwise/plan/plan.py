@@ -16,15 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import PlanError
 
-_PLACEMENT = re.compile(r"^\s*(Shard|Replicate|Partial)\s*\(\s*(?:dim\s*=\s*)?(-?\d*)\s*\)\s*$")
+_PLACEMENT = re.compile(
+    r"^\s*(Shard|Replicate|Partial|StridedShard|_StridedShard)\s*\(\s*(?:dim\s*=\s*)?(-?\d*)"
+    r"\s*(?:,\s*(?:split_factor\s*=\s*)?(\d+)\s*)?\)\s*$"
+)
 
 
 def parse_placement(value: Any, where: str = "plan") -> Placement:
-    """A torch placement from a placement or its string form ("Shard(0)", "Replicate()", "Partial()")."""
+    """A torch placement from a placement or its string form.
+
+    "Shard(0)", "Replicate()", "Partial()", and "StridedShard(1, 3)": torch's `_StridedShard`,
+    a dim made of `split_factor` equal blocks, each sharded (a fused q/k/v weight).
+    """
     if isinstance(value, Placement):
         return value
     match = _PLACEMENT.match(value) if isinstance(value, str) else None
@@ -33,7 +40,13 @@ def parse_placement(value: Any, where: str = "plan") -> Placement:
             f"{where}: {value!r} is not a placement; write Shard(d), Replicate() or Partial() "
             "(as torch objects or as those strings)"
         )
-    kind, arg = match.groups()
+    kind, arg, factor = match.groups()
+    if kind.endswith("StridedShard"):
+        if not arg or not factor:
+            raise PlanError(f"{where}: {value!r} needs a dimension and a split factor, e.g. 'StridedShard(1, 3)'")
+        return _StridedShard(int(arg), split_factor=int(factor))
+    if factor:
+        raise PlanError(f"{where}: {value!r} takes at most one argument")
     if kind == "Shard":
         if not arg:
             raise PlanError(f"{where}: {value!r} needs a dimension, e.g. 'Shard(0)'")
@@ -44,6 +57,8 @@ def parse_placement(value: Any, where: str = "plan") -> Placement:
 
 
 def placement_str(placement: Placement) -> str:
+    if isinstance(placement, _StridedShard):
+        return f"StridedShard({placement.dim}, {placement.split_factor})"
     if isinstance(placement, Shard):
         return f"Shard({placement.dim})"
     if isinstance(placement, Partial):
@@ -81,6 +96,12 @@ class Plan:
     stages: pipeline stage boundaries (module paths that begin a stage), or None for automatic.
     zero: ZeRO stage, or None to take the config's.
     recompute: patterns of modules whose activations are recomputed in backward.
+    loss_parallel: column-parallel heads whose vocabulary-sharded logits reach the loss as
+        DTensors, so cross-entropy runs vocab-parallel and the logits are never gathered.
+    divide_by_tp: integer module attributes a forward uses for local shapes (e.g. GPT-2's
+        "h.*.attn.split_size"), divided by tp on each rank.
+    applies_to: class name the patterns are relative to; the plan then applies to every
+        instance of that class wherever it sits in the module tree (zoo plans use this).
     """
 
     params: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
@@ -88,6 +109,9 @@ class Plan:
     stages: list[str] | None = None
     zero: int | None = None
     recompute: list[str] = field(default_factory=list)
+    loss_parallel: list[str] = field(default_factory=list)
+    divide_by_tp: list[str] = field(default_factory=list)
+    applies_to: str | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -101,6 +125,8 @@ class Plan:
         if self.stages is not None:
             self.stages = [str(s) for s in self.stages]
         self.recompute = [str(r) for r in self.recompute]
+        self.loss_parallel = [str(r) for r in self.loss_parallel]
+        self.divide_by_tp = [str(r) for r in self.divide_by_tp]
 
     # conversions ------------------------------------------------------------------
     @classmethod
@@ -127,6 +153,9 @@ class Plan:
             "stages": self.stages,
             "zero": self.zero,
             "recompute": list(self.recompute),
+            "loss_parallel": list(self.loss_parallel),
+            "divide_by_tp": list(self.divide_by_tp),
+            "applies_to": self.applies_to,
         }
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -157,7 +186,7 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
-        lines = [f"Plan {self.name or '(unnamed)'}"]
+        lines = [f"Plan {self.name or '(unnamed)'}" + (f" for every {self.applies_to}" if self.applies_to else "")]
         if self.params:
             lines.append("  parameters:")
             width = max(map(len, self.params))
@@ -176,24 +205,8 @@ class Plan:
             lines.append(f"  zero: {self.zero}")
         if self.recompute:
             lines.append(f"  recompute: {', '.join(self.recompute)}")
+        if self.loss_parallel:
+            lines.append(f"  loss-parallel heads: {', '.join(self.loss_parallel)}")
+        if self.divide_by_tp:
+            lines.append(f"  attributes divided by tp: {', '.join(self.divide_by_tp)}")
         return "\n".join(lines)
-
-
-def as_plan(plan: "Plan | dict | str | Path | None", zoo: dict[str, Any] | None = None) -> Plan:
-    """Coerce what a user passes as `plan=` into a `Plan`."""
-    if plan is None:
-        return Plan()
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, dict):
-        return Plan.from_dict(plan)
-    if isinstance(plan, (str, Path)):
-        text = str(plan)
-        if zoo is not None and text in zoo:
-            return zoo[text]()
-        if text.endswith(".json") or text.lstrip().startswith("{"):
-            return Plan.from_json(text)
-        names = ", ".join(sorted(zoo or {}))
-        raise PlanError(f"plan {text!r} is neither a zoo name ({names or 'none available'}) nor a .json file")
-    raise PlanError(f"plan={plan!r} must be a Plan, a dict, a zoo name, a .json path or None")
-

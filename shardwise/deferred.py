@@ -1,0 +1,254 @@
+"""Deferred initialization: build a module without memory, materialize only this rank's shards.
+
+`deferred_init(factory)` runs the factory on the meta device under a dispatch mode that
+records every operation (allocations, `normal_`, `uniform_`, copies, ...). `parallelize`
+then replays the record on real CPU tensors, starting from the random-number state the
+factory started from, so every value is exactly what eager construction with the same seed
+computes. A parameter is cut to this rank's shard as soon as the last operation touching
+its storage has run, and its full tensor is freed; temporaries are freed after their last
+use. At any moment only the tensors still being initialized are whole, so peak parameter
+memory is about one model divided by tp plus the largest tensor in flight (measured in
+`DeferredInit.peak_bytes`).
+
+While recording, each seeded operation also runs once on a scratch tensor (one at a time),
+so the global generator advances exactly as eager construction advances it, reseeding
+inside the factory included, and code that draws random numbers afterwards sees the same
+stream either way.
+
+Why our own: torchdistx's deferred_init is not part of torch, and `to_empty` followed by
+`reset_parameters()` does not reproduce eager values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .errors import ModelError
+from .parallel.tensor import shard_of
+
+_ATTR = "_shardwise_deferred"
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """A tensor's identity as a value: its storage and geometry (views of one storage differ)."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Recorder(TorchDispatchMode):
+    """Records ops on meta tensors; runs each seeded op once on a scratch CPU tensor so the
+    global generator advances exactly as eager construction advances it (seeding inside the
+    factory included), noting the generator state each seeded op started from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rng_state = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            rng_state = torch.get_rng_state()
+            scratch = tree_map(_scratch, (args, kwargs))
+            func(*scratch[0], **scratch[1])
+        self.ops.append((func, args, kwargs, out, rng_state))  # holds the meta tensors: storages stay unique
+        return out
+
+
+def _scratch(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    return _on_cpu(x)
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "meta":
+        return torch.device("cpu")
+    return value
+
+
+@dataclass
+class DeferredInit:
+    """The recorded construction of one module."""
+
+    ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]]
+    peak_bytes: int = 0  # largest total of real tensors alive during replay
+    materialized_bytes: int = 0  # parameter and buffer bytes kept by this rank
+    _done: bool = field(default=False, repr=False)
+
+    def replay(self, finals: dict[tuple, list[str]], cut: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the record on CPU; return `cut(name, full)` for every name in `finals`.
+
+        A storage is real only while its contents matter: it is freed after its last use
+        (parameters are cut to their shard first), and also whenever the next op on it
+        overwrites it whole (`normal_`, `zero_`, `copy_`, ...), to be allocated afresh there.
+        So a parameter built in `__init__` and re-initialized at the end costs nothing between.
+        """
+        uses: dict[int, list[tuple[int, tuple]]] = {}
+        created_at: dict[tuple, int] = {}
+        for i, (_, args, kwargs, out, _) in enumerate(self.ops):
+            for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    uses.setdefault(_storage(t), []).append((i, _key(t)))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    created_at.setdefault(_key(t), i)
+        targets = [_overwrite_target(func, args) for func, args, *_ in self.ops]
+        final_storages = {k[0] for k in finals}
+        real: dict[tuple, torch.Tensor] = {}
+        by_storage: dict[int, list[tuple]] = {}
+        values: dict[str, torch.Tensor] = {}
+        alive = 0
+
+        def register(key: tuple, tensor: torch.Tensor) -> None:
+            nonlocal alive
+            if key[0] not in by_storage:
+                alive += tensor.untyped_storage().nbytes()
+            real[key] = tensor
+            by_storage.setdefault(key[0], []).append(key)
+
+        def release(storage: int, finalize: bool) -> None:
+            nonlocal alive
+            keys = by_storage.pop(storage, [])
+            for key in keys if finalize and storage in final_storages else ():
+                names = finals.get(key, [])
+                if names:  # tied names share one tensor
+                    kept = cut(names[0], real[key])
+                    self.materialized_bytes += kept.numel() * kept.element_size()
+                    values.update(dict.fromkeys(names, kept))
+            if keys:
+                alive -= real[keys[0]].untyped_storage().nbytes()
+            for key in keys:
+                real.pop(key)
+
+        def overwritten_next(storage: int, j: int) -> bool:
+            """Op j overwrites the storage whole and nothing after it uses an older view."""
+            target = targets[j]
+            if target is None or _storage(target) != storage:
+                return False
+            fresh = _key(target)
+            return all(key == fresh or created_at.get(key, -1) > j for i, key in uses[storage] if i > j)
+
+        saved = torch.get_rng_state()
+        try:
+            for i, (func, args, kwargs, out, rng_state) in enumerate(self.ops):
+                if rng_state is not None:
+                    torch.set_rng_state(rng_state)
+                target = targets[i]
+                if target is not None and _key(target) not in real:
+                    register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype))
+
+                def to_real(x):
+                    if isinstance(x, torch.Tensor) and x.is_meta:
+                        return real[_key(x)]
+                    return _on_cpu(x)
+                with torch.no_grad():
+                    result = func(*tree_map(to_real, args), **tree_map(to_real, kwargs))
+                for meta, made in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                    if isinstance(meta, torch.Tensor) and meta.is_meta and _key(meta) not in real:
+                        register(_key(meta), made)
+                self.peak_bytes = max(self.peak_bytes, alive + self.materialized_bytes)
+                for storage in {_storage(t) for t in tree_flatten((args, kwargs, out))[0]
+                                if isinstance(t, torch.Tensor) and t.is_meta}:
+                    later = [u for u, _ in uses[storage] if u > i]
+                    if not later:
+                        release(storage, finalize=True)
+                    elif overwritten_next(storage, later[0]):
+                        release(storage, finalize=False)
+        finally:
+            torch.set_rng_state(saved)
+        return values
+
+
+_OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_",
+               "log_normal_", "cauchy_", "bernoulli_", "copy_"}
+
+
+def _overwrite_target(func: Any, args: tuple) -> torch.Tensor | None:
+    """The meta tensor an op fills whole without reading its old values, if any."""
+    if func._opname not in _OVERWRITES or not args:
+        return None
+    t = args[0]
+    if not (isinstance(t, torch.Tensor) and t.is_meta and t.storage_offset() == 0):
+        return None
+    covered = 1  # dense and non-overlapping: sorted strides are the running products of sizes
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != covered:
+            return None
+        covered *= size
+    return t if t.numel() * t.element_size() == t.untyped_storage().nbytes() else None
+
+
+def deferred_init(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """`factory(*args, **kwargs)` built on the meta device; `parallelize` materializes it.
+
+    The module allocates no parameter memory until `sw.parallelize`, which gives each rank
+    only its shards, with the values eager construction on CPU would have produced.
+    """
+    recorder = _Recorder()
+    with torch.device("meta"), recorder:
+        module = factory(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise ModelError(f"deferred_init's factory returned {type(module).__name__}, not a torch.nn.Module")
+    module.__dict__[_ATTR] = DeferredInit(recorder.ops)
+    return module
+
+
+def deferred_record(module: nn.Module) -> DeferredInit | None:
+    """The record of a module built by `deferred_init`, if it was."""
+    return module.__dict__.get(_ATTR)
+
+
+def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
+    """Materialize a deferred module on this rank: replicated tensors in place, sharded ones
+    returned by the callback for tensor parallelism to wrap. None for an ordinary module."""
+    record = deferred_record(module)
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    if record is None:
+        meta = [n for n, t in named if t.is_meta]
+        if meta:
+            raise ModelError(
+                f"{meta[0]!r} is on the meta device but the module was not built with sw.deferred_init; "
+                "build it with sw.deferred_init(factory) so parallelize can materialize it"
+            )
+        return None
+    if record._done:
+        raise ModelError("this deferred module was already materialized by an earlier parallelize call")
+    tp, rank = topology.sizes["tp"], topology.tp_rank
+    sharded = {n: p for n, p in resolved.params.items() if not isinstance(p, Replicate)} if tp > 1 else {}
+    finals: dict[tuple, list[str]] = {}
+    for name, tensor in named:
+        finals.setdefault(_key(tensor), []).append(name)
+
+    def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+        placement = sharded.get(name)
+        kept = shard_of(full, placement, rank, tp).clone() if placement is not None else full
+        return kept.to(topology.device)
+
+    values = record.replay(finals, cut)
+    made: dict[int, nn.Parameter] = {}
+    for path, mod in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for leaf, param in list(mod._parameters.items()):
+            if param is None or not param.is_meta or prefix + leaf in sharded:
+                continue  # tensor parallelism takes sharded ones through the callback
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(values[prefix + leaf], requires_grad=param.requires_grad)
+            mod._parameters[leaf] = made[id(param)]
+        for leaf, buffer in list(mod._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                mod._buffers[leaf] = values[prefix + leaf]
+    record._done = True
+    return lambda name, placement: values[name]

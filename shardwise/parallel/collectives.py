@@ -1,0 +1,105 @@
+"""Differentiable collectives over the tensor-parallel group, on local tensors.
+
+Activations between tensor-parallel modules stay plain tensors; their placement on the tp
+mesh is known from the plan, and moving between placements is one of the functions here.
+Each is an autograd function whose backward is the matching collective (all-gather <->
+reduce-scatter or split, all-reduce <-> identity), written with torch's functional
+collectives so `CommDebugMode` counts them exactly as it counts native DTensor traffic.
+
+Two families:
+- `redistribute(x, src, dst)`: DTensor semantics; the gradient of a replicated tensor is
+  replicated (backward of an all-gather is a split).
+- `enter_parallel(x, src)`: the input of a column-parallel or vocab-parallel module, whose
+  input gradient is partial on every rank (Megatron's `f`/`g`): identity or all-gather
+  forward, all-reduce or reduce-scatter backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..errors import PlanError
+
+
+def _dim(placement: Shard, x: torch.Tensor) -> int:
+    return placement.dim % x.dim()
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise PlanError(
+            f"cannot reduce-scatter a tensor of shape {tuple(x.shape)} along dim {dim} over tp={size}: "
+            f"{x.shape[dim]} is not divisible by {size} (for sequence parallelism the sequence length must be)"
+        )
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+
+
+def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise PlanError(
+            f"cannot shard a tensor of shape {tuple(x.shape)} along dim {dim} over tp={size}: "
+            f"{x.shape[dim]} is not divisible by {size} (for sequence parallelism the sequence length must be)"
+        )
+    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
+
+
+def _identity(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    return x.view_as(x)
+
+
+class _Collective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_op, backward_op, group, dim):
+        ctx.backward_op, ctx.group, ctx.dim = backward_op, group, dim
+        return forward_op(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_op(grad, ctx.group, ctx.dim), None, None, None, None
+
+
+def _apply(x: torch.Tensor, forward_op, backward_op, group, dim: int = 0) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    return _Collective.apply(x, forward_op, backward_op, group, dim)
+
+
+def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.ProcessGroup) -> torch.Tensor:
+    """Move a local tensor from placement `src` to `dst` on the tp group."""
+    if src == dst:
+        return x
+    if isinstance(dst, Partial):
+        raise PlanError(f"cannot redistribute an activation to Partial() (from {src}); use Replicate() or Shard(d)")
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return _apply(x, _all_reduce, _identity, group)
+        return _apply(x, _reduce_scatter, _all_gather, group, _dim(dst, x))
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return _apply(x, _all_gather, _split, group, _dim(src, x))
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return _apply(x, _split, _all_gather, group, _dim(dst, x))
+    gathered = redistribute(x, src, Replicate(), group)  # Shard(a) -> Shard(b)
+    return redistribute(gathered, Replicate(), dst, group)
+
+
+def enter_parallel(x: torch.Tensor, src: Placement, group: dist.ProcessGroup) -> torch.Tensor:
+    """A replicated view of `x` for modules whose input gradient is partial on every rank."""
+    if isinstance(src, Replicate):
+        return _apply(x, _identity, _all_reduce, group)
+    if isinstance(src, Shard):
+        return _apply(x, _all_gather, _reduce_scatter, group, _dim(src, x))
+    return _apply(x, _all_reduce, _all_reduce, group)  # Partial input

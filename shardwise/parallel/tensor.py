@@ -1,0 +1,284 @@
+"""Tensor and sequence parallelism driven by a resolved Plan.
+
+Parameters the plan shards become DTensors on the tp mesh (so state dicts, checkpoints,
+optimizers and norms see their global shape and placement); a module holding one is a
+tensor-parallel module and must be of a type with a rule here: `nn.Linear`, `nn.Embedding`
+or Hugging Face's `Conv1D`. Its forward is replaced by a rule that computes on the local
+shards and moves activations with explicit collectives (`collectives.py`):
+
+- column-parallel (weight sharded on the output features): input made replicated with a
+  partial gradient (`enter_parallel`), output stays sharded on the last dim;
+- row-parallel (sharded on input features): output partial, reduced to the plan's output
+  placement (all-reduce, or reduce-scatter along the sequence for sequence parallelism),
+  bias added after the reduction;
+- vocab-parallel embedding (rows sharded): out-of-range ids masked, output partial.
+
+Why not DTensor dispatch for the compute (as torch's `parallelize_module` does): its
+sharding propagation picks collectives by cost, so under sequence parallelism a linear may
+all-gather its weight instead of its input, and the q, k and v projections of one block each
+all-reduce their input gradient. Here every column-parallel module reading the same input
+tensor in one forward shares a single `enter_parallel`, so a Megatron column->row pair costs
+exactly one collective forward and one backward.
+
+Activation keys: `X.input` declares the placement of the tensors arriving at X (default:
+what X's rule needs); `X.output` asks for X's output to be redistributed to a placement. A
+module whose declared input is sharded along a data dim (e.g. a norm under sequence
+parallelism) runs on shards: its replicated parameters get partial gradients, summed over
+tp in the gradient buckets, and a Dropout there draws the mask one process would draw.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..comm import broadcast_tensors
+from ..errors import PlanError
+from ..plan.plan import placement_str
+from ..plan.resolve import ResolvedPlan
+from ..topology import Topology
+from .collectives import enter_parallel, redistribute
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or the tensor itself (no autograd)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and any(not isinstance(p, Replicate) for p in tensor.placements)
+
+
+def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `full` under `placement` (a view; no communication)."""
+    if isinstance(placement, _StridedShard):  # each of split_factor blocks sharded
+        blocks = full.chunk(placement.split_factor, placement.dim)
+        return torch.cat([b.chunk(size, placement.dim)[rank] for b in blocks], placement.dim)
+    if isinstance(placement, Shard):
+        return full.chunk(size, placement.dim)[rank]
+    return full
+
+
+def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+class TensorParallel:
+    """The tp executor's state for one model: group, mesh, resolved plan, per-forward cache."""
+
+    def __init__(self, topology: Topology, resolved: ResolvedPlan):
+        self.group = topology.group("tp")
+        self.mesh = topology.mesh["tp"]
+        self.size = topology.sizes["tp"]
+        self.rank = topology.tp_rank
+        self.resolved = resolved
+        self.partial_grad_params: set[int] = set()  # ids of replicated params whose grads are partial over tp
+        self.sharded_modules: dict[str, str] = {}  # module path -> rule name
+        self._entered: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def loss_parallel(self) -> bool:
+        return bool(self.resolved.loss_parallel)
+
+    def input_placement(self, path: str, default: Placement) -> Placement:
+        declared = self.resolved.inputs.get(path, ())
+        return declared[0][0] if declared and declared[0] is not None else default
+
+    def output_placement(self, path: str, default: Placement) -> Placement:
+        declared = self.resolved.outputs.get(path, ())
+        return declared[0][0] if declared and declared[0] is not None else default
+
+    def enter(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
+        """`enter_parallel`, shared by every module that reads `x` in this forward."""
+        key = (id(x), str(src))
+        hit = self._entered.get(key)
+        if hit is None or hit[0] is not x:
+            hit = self._entered[key] = (x, enter_parallel(x, src, self.group))
+        return hit[1]
+
+    def end_forward(self) -> None:
+        self._entered.clear()
+
+    def leave(self, y: torch.Tensor, path: str, natural: Placement) -> torch.Tensor:
+        default = Replicate() if isinstance(natural, Partial) else natural
+        dst = self.output_placement(path, default)
+        y = redistribute(y, natural, dst, self.group)
+        if path in self.resolved.loss_parallel:
+            return DTensor.from_local(y, self.mesh, [dst], run_check=False)
+        return y
+
+
+# -- rules: local compute of tensor-parallel modules -----------------------------------
+def _column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    x = tp.enter(x, tp.input_placement(path, Replicate()))
+    weight, bias = _shard(module.weight), _shard(module.bias)
+    if _is_conv1d(module):
+        y = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
+        y = y.view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x, weight, bias)
+    return tp.leave(y, path, Shard(-1))
+
+
+def _row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
+    weight = _shard(module.weight)
+    y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
+    y = tp.leave(y, path, Partial())
+    return y if module.bias is None else y + _shard(module.bias)
+
+
+def _vocab_embedding(module: nn.Embedding, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+    weight = _shard(module.weight)
+    start = tp.rank * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
+    out = F.embedding((ids - start).masked_fill(outside, 0), weight, pad, None, 2.0, module.scale_grad_by_freq, module.sparse)
+    return tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0), path, Partial())
+
+
+def _feature_embedding(module: nn.Embedding, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+    out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
+    return tp.leave(out, path, Shard(-1))
+
+
+def _sharded_dropout(module: nn.Dropout, x: torch.Tensor, *, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """Dropout on a shard, with the mask one process draws for the whole tensor."""
+    if not module.training or module.p == 0.0:
+        return x
+    full = list(x.shape)
+    full[dim] *= tp.size
+    mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), module.p, True)
+    return x * mask.chunk(tp.size, dim)[tp.rank]
+
+
+def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
+    """The rule for a module with sharded parameters, and its parameters' full placements."""
+    weight = placements.get("weight", Replicate())
+    bias = placements.get("bias")
+    kind = type(module).__name__
+    if isinstance(module, nn.Linear) or _is_conv1d(module):
+        out_dim = 1 if _is_conv1d(module) else 0
+        if isinstance(weight, Shard) and weight.dim == out_dim:
+            expected, rule = weight if isinstance(weight, _StridedShard) else Shard(0), _column
+        elif isinstance(weight, Shard) and weight.dim == 1 - out_dim and not isinstance(weight, _StridedShard):
+            expected, rule = Replicate(), _row
+        else:
+            raise PlanError(
+                f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
+                f"{1 - out_dim} (row), got {placement_str(weight)}"
+            )
+        if expected != Replicate() and isinstance(expected, _StridedShard):
+            expected = _StridedShard(0, split_factor=expected.split_factor)
+        if module.bias is not None:
+            if bias is not None and bias != expected:
+                raise PlanError(
+                    f"{path}.bias must be {placement_str(expected)} to match {path}.weight "
+                    f"{placement_str(weight)} ({rule.__name__.strip('_')}-parallel), got {placement_str(bias)}"
+                )
+            placements["bias"] = expected
+        return rule
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None:
+            raise PlanError(f"{path}: tensor-parallel nn.Embedding does not support max_norm")
+        if weight == Shard(0):
+            return _vocab_embedding
+        if weight == Shard(1):
+            return _feature_embedding
+        raise PlanError(f"{path}.weight: an Embedding shards rows (Shard(0)) or columns (Shard(1)), got {placement_str(weight)}")
+    raise PlanError(
+        f"{path} ({kind}) has sharded parameters but shardwise has no tensor-parallel rule for {kind}; "
+        "shard nn.Linear, nn.Embedding or transformers Conv1D modules, or leave its parameters replicated"
+    )
+
+
+def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: ResolvedPlan,
+                          materialize=None) -> TensorParallel:
+    """Shard `module`'s parameters and install the rules and activation hooks of `resolved`.
+
+    `materialize(name, placement)` gives the local tensor of a parameter that is still on
+    the meta device (deferred init); otherwise shards are cut from rank tp 0's full values.
+    """
+    tp = TensorParallel(topology, resolved)
+    modules = dict(module.named_modules())
+    for path, attr in resolved.divide_by_tp:
+        setattr(modules[path], attr, getattr(modules[path], attr) // tp.size)
+
+    owned: dict[str, dict[str, Placement]] = {}
+    for name, placement in resolved.params.items():
+        path, _, leaf = name.rpartition(".")
+        owned.setdefault(path, {})[leaf] = placement
+    converted: dict[int, nn.Parameter] = {}
+    for path, placements in owned.items():
+        if all(isinstance(p, Replicate) for p in placements.values()):
+            continue
+        mod = modules[path]
+        rule = _rule(path, mod, placements)
+        tp.sharded_modules[path] = rule.__name__.strip("_")
+        for leaf, param in list(mod.named_parameters(recurse=False)):
+            if id(param) not in converted:
+                placement = placements.get(leaf, Replicate())
+                if param.is_meta and materialize is not None:
+                    shard = materialize(f"{path}.{leaf}" if path else leaf, placement)
+                    data = DTensor.from_local(shard, tp.mesh, [placement], run_check=False,
+                                              shape=param.shape, stride=param.stride())
+                else:
+                    data = distribute_tensor(param.detach(), tp.mesh, [placement], src_data_rank=0)
+                converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            setattr(mod, leaf, converted[id(param)])
+        mod.forward = functools.partial(rule, mod, tp=tp, path=path)
+        if rule is _row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
+            tp.partial_grad_params.add(id(mod.bias))
+    for _, mod in module.named_modules():  # tied copies held by modules without a rule
+        for leaf, param in list(mod.named_parameters(recurse=False)):
+            if id(param) in converted and param is not converted[id(param)]:
+                setattr(mod, leaf, converted[id(param)])
+
+    for path, placements in resolved.inputs.items():
+        first = placements[0][0] if placements and placements[0] is not None else None
+        mod = modules[path]
+        if path in tp.sharded_modules or not isinstance(first, Shard):
+            continue
+        data_dim = first.dim  # this module runs on shards of its data: replicated params get partial grads
+        for param in mod.parameters(recurse=False):
+            tp.partial_grad_params.add(id(param))
+        if isinstance(mod, nn.Dropout):
+            mod.forward = functools.partial(_sharded_dropout, mod, tp=tp, dim=data_dim)
+    for path in resolved.outputs:
+        if path not in tp.sharded_modules:
+            modules[path].register_forward_hook(functools.partial(_redistribute_output, tp=tp, path=path))
+
+    if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
+        replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
+        broadcast_tensors([t.data for t in replicated if not t.is_meta], tp.group, 64 << 20)
+    return tp
+
+
+def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorParallel, path: str) -> Any:
+    """Forward hook: move a module's output tensors to the plan's placements."""
+    src = tp.input_placement(path, Replicate())
+    targets = tp.resolved.outputs[path]
+    if isinstance(output, torch.Tensor):
+        return redistribute(output, src, targets[0][0], tp.group) if targets[0] is not None else output
+    if isinstance(output, tuple):
+        items = list(output)
+        tensors = [i for i, item in enumerate(items) if isinstance(item, torch.Tensor)]
+        for index, target in zip(tensors, targets):
+            if target is not None:
+                items[index] = redistribute(items[index], src, target[0], tp.group)
+        return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
+    return output

@@ -1,0 +1,143 @@
+"""Named plans for well-known models: `plan="gpt"`, `"llama"`, `"qwen2"`, `"mistral"`, `"gpt2"`, `"bert"`.
+
+Each entry builds a `Plan` for a ParallelConfig (the sequence-parallel variant differs).
+Plans for Hugging Face classes are relative to that class (`applies_to`), so they apply
+wherever the model sits inside a user's end2end module. The layout is Megatron's: attention
+q/k/v and the first MLP projection column-parallel, the attention output and second MLP
+projection row-parallel (one all-reduce per pair forward and one backward), the token
+embedding vocab-parallel and the output head column-parallel over the vocabulary with a
+loss-parallel cross-entropy, so logits are never gathered whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Callable, Iterator
+
+from ..config import ParallelConfig
+from ..errors import PlanError
+from .plan import Plan
+
+COL, ROW, SEQ = "Shard(0)", "Shard(1)", "Shard(1)"  # Linear weight (out, in); activations (batch, seq, hidden)
+
+
+def _sp(keys_in: list[str], keys_out: list[str]) -> dict[str, str]:
+    return {**{f"{k}.input": SEQ for k in keys_in}, **{f"{k}.output": SEQ for k in keys_out}}
+
+
+def gpt(config: ParallelConfig) -> Plan:
+    """shardwise.models.GPT."""
+    params = {
+        "wte.weight": COL,  # vocab-parallel; the tied lm_head is then column-parallel over the vocabulary
+        "layers.*.attn.q_proj.weight": COL, "layers.*.attn.q_proj.bias": COL,
+        "layers.*.attn.k_proj.weight": COL,
+        "layers.*.attn.v_proj.weight": COL, "layers.*.attn.v_proj.bias": COL,
+        "layers.*.attn.o_proj.weight": ROW,
+        "layers.*.mlp.fc1.weight": COL, "layers.*.mlp.fc1.bias": COL,
+        "layers.*.mlp.fc2.weight": ROW,
+    }
+    activations = {}
+    if config.sequence_parallel:
+        activations = _sp(
+            ["layers.*.ln1", "layers.*.ln2", "layers.*.drop", "layers.*.attn.q_proj", "layers.*.attn.k_proj",
+             "layers.*.attn.v_proj", "layers.*.mlp.fc1", "ln_f", "lm_head"],
+            ["drop", "layers.*.attn.o_proj", "layers.*.mlp.fc2"],
+        )
+    return Plan(params=params, activations=activations, loss_parallel=["lm_head"], applies_to="GPT", name="gpt")
+
+
+def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool) -> Plan:
+    params = {
+        "model.embed_tokens.weight": COL,
+        "model.layers.*.self_attn.q_proj.weight": COL,
+        "model.layers.*.self_attn.k_proj.weight": COL,
+        "model.layers.*.self_attn.v_proj.weight": COL,
+        "model.layers.*.self_attn.o_proj.weight": ROW,
+        "model.layers.*.mlp.gate_proj.weight": COL,
+        "model.layers.*.mlp.up_proj.weight": COL,
+        "model.layers.*.mlp.down_proj.weight": ROW,
+        "lm_head.weight": COL,
+    }
+    if bias:  # Qwen2: q/k/v projections have biases
+        params.update({f"model.layers.*.self_attn.{p}_proj.bias": COL for p in "qkv"})
+    if config.sequence_parallel:
+        raise PlanError(
+            f"zoo plan {name!r} has no sequence-parallel variant (Hugging Face builds its attention mask from the "
+            "embedding output's sequence length); use sequence_parallel=False"
+        )
+    return Plan(params=params, loss_parallel=["lm_head"], applies_to=root, name=name)
+
+
+def llama(config: ParallelConfig) -> Plan:
+    """transformers LlamaForCausalLM."""
+    return _llama_like("llama", "LlamaForCausalLM", config, bias=False)
+
+
+def qwen2(config: ParallelConfig) -> Plan:
+    """transformers Qwen2ForCausalLM."""
+    return _llama_like("qwen2", "Qwen2ForCausalLM", config, bias=True)
+
+
+def mistral(config: ParallelConfig) -> Plan:
+    """transformers MistralForCausalLM."""
+    return _llama_like("mistral", "MistralForCausalLM", config, bias=False)
+
+
+def gpt2(config: ParallelConfig) -> Plan:
+    """transformers GPT2LMHeadModel (Conv1D weights are (in, out): column = Shard(1))."""
+    if config.sequence_parallel:
+        raise PlanError("zoo plan 'gpt2' has no sequence-parallel variant; use sequence_parallel=False")
+    params = {
+        "transformer.wte.weight": COL,  # tied with lm_head: vocab-parallel, loss-parallel head
+        "transformer.h.*.attn.c_attn.weight": "StridedShard(1, 3)",  # fused q|k|v: shard each block
+        "transformer.h.*.attn.c_proj.weight": "Shard(0)",
+        "transformer.h.*.mlp.c_fc.weight": "Shard(1)",
+        "transformer.h.*.mlp.c_proj.weight": "Shard(0)",
+    }
+    return Plan(params=params, loss_parallel=["lm_head"], divide_by_tp=["transformer.h.*.attn.split_size"],
+                applies_to="GPT2LMHeadModel", name="gpt2")
+
+
+def bert(config: ParallelConfig) -> Plan:
+    """transformers BertForMaskedLM."""
+    if config.sequence_parallel:
+        raise PlanError("zoo plan 'bert' has no sequence-parallel variant; use sequence_parallel=False")
+    layer = "bert.encoder.layer.*"
+    params = {
+        "bert.embeddings.word_embeddings.weight": COL,  # tied with the MLM decoder
+        f"{layer}.attention.self.query.weight": COL, f"{layer}.attention.self.query.bias": COL,
+        f"{layer}.attention.self.key.weight": COL, f"{layer}.attention.self.key.bias": COL,
+        f"{layer}.attention.self.value.weight": COL, f"{layer}.attention.self.value.bias": COL,
+        f"{layer}.attention.output.dense.weight": ROW,
+        f"{layer}.intermediate.dense.weight": COL, f"{layer}.intermediate.dense.bias": COL,
+        f"{layer}.output.dense.weight": ROW,
+        "cls.predictions.decoder.bias": COL,
+    }
+    return Plan(params=params, loss_parallel=["cls.predictions.decoder"], applies_to="BertForMaskedLM", name="bert")
+
+
+class Zoo(Mapping):
+    """Plan builders by name: `zoo["llama"](config)` is a Plan; `list(zoo)` the names."""
+
+    def __init__(self, builders: dict[str, Callable[[ParallelConfig], Plan]]):
+        self._builders = dict(builders)
+
+    def __getitem__(self, name: str) -> Callable[[ParallelConfig], Plan]:
+        if name not in self._builders:
+            raise PlanError(f"no zoo plan named {name!r}; the zoo has {', '.join(sorted(self._builders))}")
+        return self._builders[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._builders
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._builders))
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def __repr__(self) -> str:
+        return f"zoo plans: {', '.join(self)}"
+
+
+zoo = Zoo({"gpt": gpt, "llama": llama, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "bert": bert})
