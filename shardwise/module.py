@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -26,7 +26,8 @@ from .config import ParallelConfig
 from .deferred import materializer
 from .errors import CheckpointError, ConfigError, ModelError, PlanError
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
-from .parallel.tensor import TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of
+from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
+                              tensor_parallel_rules)
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .topology import Topology, init_distributed
 
@@ -138,9 +139,7 @@ class ParallelModule(nn.Module):
         if not named:
             return
         mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])
-        gathered = torch.empty(tp.size * len(named), device=mine.device)
-        dist.all_gather_into_tensor(gathered, mine, group=tp.group)
-        gathered = gathered.view(tp.size, len(named))
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, tp.group)).view(tp.size, len(named))
         spread = (gathered.max(0).values - gathered.min(0).values) / gathered.abs().max(0).values.clamp_min(1e-30)
         bad = [name for (name, _), s in zip(named, spread.tolist()) if s > 1e-3]
         if bad:
@@ -264,6 +263,8 @@ def parallelize(
             raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
     chosen = as_plan(plan, config)
     resolved = resolve_plan(chosen, module, config.tp)  # all plan errors before any collective
+    if config.tp > 1:
+        tensor_parallel_rules(module, resolved)
     init_distributed(timeout=timedelta(seconds=config.timeout_s))
     topology = Topology(config)
 

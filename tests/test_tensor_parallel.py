@@ -172,3 +172,71 @@ def test_partial_norm_gradients_are_summed_once_and_stay_plain():
     for name in partial:
         assert torch.equal(grads[name], other[name])
         assert (grads[name] - reference[name]).abs().max() <= 1e-6
+
+
+# -- state dicts and inference ----------------------------------------------------------
+def _state_round_trip(batch):
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
+    other = make_gpt(7).state_dict()  # different values, same keys
+    pm.load_full_state_dict(other)
+    back = pm.full_state_dict()
+    wte = pm.module.wte.weight
+    return (all(torch.equal(back[k], v) for k, v in other.items()),
+            tuple(wte.to_local().shape), pm.infer_step(batch))
+
+
+def test_full_state_dict_round_trip_and_inference_under_tp_dp():
+    batch = gpt_batches(1, 2)[0]
+    reference = make_gpt(7)
+    with torch.no_grad():
+        want = reference(batch)
+    for equal, local_shape, loss in sw.testing.run_on_ranks(_state_round_trip, 4, batch):
+        assert equal
+        assert local_shape == (32, 64)  # vocab 64 split over tp=2
+        assert abs(float(loss) - float(want)) < 1e-5
+
+
+# -- bad plans -------------------------------------------------------------------------
+@pytest.mark.parametrize("plan, tp, pattern", [
+    ({"params": {"layers.*.attn.qproj.weight": "Shard(0)"}}, 2,
+     r"parameter 'layers.\*.attn.qproj.weight' matches no parameter of GPT; closest names: layers.0.attn.q_proj.weight"),
+    ({"params": {"wte.weight": "Shard(1)"}}, 3,
+     r"parameter 'wte.weight' of shape \(64, 64\) cannot be Shard\(1\) over tp=3: dim 1 has size 64, not divisible by 3"),
+    ({"params": {"wte.weight": ["Shard(0)", "Shard(1)"]}}, 2,
+     r"'wte.weight' has 2 placements .* sharded over one mesh dim \(tp\)"),
+    ({"params": {"layers.0.mlp.fc1.weight": "Shard(2)"}}, 2,
+     r"Shard\(2\) on parameter 'layers.0.mlp.fc1.weight' of shape \(256, 64\): it has only 2 dims"),
+    ({"params": {"wte.weight": "Partial()"}}, 2, r"'wte.weight' cannot be Partial"),
+    ({"activations": {"layers.*.mlp.fc1.input": [["Replicate()"], ["Replicate()"]]}}, 2,
+     r"'layers.0.mlp.fc1.input' gives 2 input placements but Linear.forward takes 1 input"),
+    ({"activations": {"layers.*.mlp.fc3.input": "Replicate()"}}, 2,
+     r"module 'layers.\*.mlp.fc3' matches no module of GPT; closest names: layers.0.mlp.fc2, layers.0.mlp.fc1"),
+    ({"params": {"wte.weight": "Shard(0)", "lm_head.weight": "Shard(1)"}}, 2,
+     r"tied parameter .* two different placements"),
+])
+def test_bad_plans_name_the_problem(plan, tp, pattern):
+    with pytest.raises(sw.PlanError, match=pattern):
+        sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=tp), plan=plan)
+
+
+def test_sharding_a_module_without_a_rule():
+    with pytest.raises(sw.PlanError, match=r"layers.0.ln1 \(LayerNorm\) has sharded parameters but shardwise has no "
+                                           r"tensor-parallel rule for LayerNorm"):
+        sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.ln1.weight": "Shard(0)"}})
+
+
+def _undeclared_sequence_shards():
+    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(sequence_parallel=True))
+    del plan.activations["layers.*.ln2.input"]  # ln2 runs on sequence shards, but the plan no longer says so
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan=plan)
+    try:
+        pm.train_step(gpt_batches(1, 2)[0])
+    except sw.PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_replicated_params_on_undeclared_shards_are_caught_on_every_rank():
+    messages = sw.testing.run_on_ranks(_undeclared_sequence_shards, 2)
+    assert messages[0] == messages[1]
+    assert "'layers.0.ln2.weight'" in messages[0] and "different gradients on different tp ranks" in messages[0]

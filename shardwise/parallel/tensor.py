@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..comm import broadcast_tensors
 from ..errors import PlanError
-from ..plan.plan import placement_str
+from ..plan.plan import placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
@@ -166,24 +166,27 @@ def _sharded_dropout(module: nn.Dropout, x: torch.Tensor, *, tp: TensorParallel,
     return x * mask.chunk(tp.size, dim)[tp.rank]
 
 
+def _has_rule(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Embedding)) or _is_conv1d(module)
+
+
 def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
     """The rule for a module with sharded parameters, and its parameters' full placements."""
     weight = placements.get("weight", Replicate())
     bias = placements.get("bias")
     kind = type(module).__name__
     if isinstance(module, nn.Linear) or _is_conv1d(module):
-        out_dim = 1 if _is_conv1d(module) else 0
-        if isinstance(weight, Shard) and weight.dim == out_dim:
-            expected, rule = weight if isinstance(weight, _StridedShard) else Shard(0), _column
-        elif isinstance(weight, Shard) and weight.dim == 1 - out_dim and not isinstance(weight, _StridedShard):
-            expected, rule = Replicate(), _row
+        out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
+        strided = isinstance(weight, _StridedShard)
+        if shard_dim(weight) == out_dim:
+            rule, expected = _column, _StridedShard(0, split_factor=weight.split_factor) if strided else Shard(0)
+        elif shard_dim(weight) == 1 - out_dim and not strided:
+            rule, expected = _row, Replicate()
         else:
             raise PlanError(
                 f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
                 f"{1 - out_dim} (row), got {placement_str(weight)}"
             )
-        if expected != Replicate() and isinstance(expected, _StridedShard):
-            expected = _StridedShard(0, split_factor=expected.split_factor)
         if module.bias is not None:
             if bias is not None and bias != expected:
                 raise PlanError(
@@ -206,6 +209,28 @@ def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
     )
 
 
+def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str, tuple[Any, dict[str, Placement]]]:
+    """Module path -> (rule, full placements of its parameters), for every module whose
+    parameters the plan shards. Pure: raises `PlanError` before anything communicates."""
+    modules = dict(module.named_modules())
+    owned: dict[str, dict[str, Placement]] = {}
+    for name, placement in resolved.params.items():
+        path, _, leaf = name.rpartition(".")
+        owned.setdefault(path, {})[leaf] = placement
+    ruled = {path for path, placements in owned.items()
+             if any(not isinstance(p, Replicate) for p in placements.values()) and _has_rule(modules[path])}
+    computed_by_rule = {id(p) for path in ruled for p in modules[path].parameters(recurse=False)}
+    rules = {}
+    for path, placements in owned.items():
+        mod = modules[path]
+        sharded = {leaf for leaf, p in placements.items() if not isinstance(p, Replicate)}
+        if not sharded or (path not in ruled and all(id(getattr(mod, leaf)) in computed_by_rule for leaf in sharded)):
+            continue  # replicated, or a tied copy of a parameter a rule module computes with
+        placements = dict(placements)
+        rules[path] = (_rule(path, mod, placements), placements)
+    return rules
+
+
 def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: ResolvedPlan,
                           materialize=None) -> TensorParallel:
     """Shard `module`'s parameters and install the rules and activation hooks of `resolved`.
@@ -217,17 +242,9 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
     modules = dict(module.named_modules())
     for path, attr in resolved.divide_by_tp:
         setattr(modules[path], attr, getattr(modules[path], attr) // tp.size)
-
-    owned: dict[str, dict[str, Placement]] = {}
-    for name, placement in resolved.params.items():
-        path, _, leaf = name.rpartition(".")
-        owned.setdefault(path, {})[leaf] = placement
     converted: dict[int, nn.Parameter] = {}
-    for path, placements in owned.items():
-        if all(isinstance(p, Replicate) for p in placements.values()):
-            continue
+    for path, (rule, placements) in tensor_parallel_rules(module, resolved).items():
         mod = modules[path]
-        rule = _rule(path, mod, placements)
         tp.sharded_modules[path] = rule.__name__.strip("_")
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) not in converted:

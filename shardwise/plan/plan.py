@@ -56,6 +56,11 @@ def parse_placement(value: Any, where: str = "plan") -> Placement:
     return Replicate() if kind == "Replicate" else Partial()
 
 
+def shard_dim(placement: Placement) -> int | None:
+    """The dim a Shard or StridedShard placement splits, or None for Replicate/Partial."""
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
 def placement_str(placement: Placement) -> str:
     if isinstance(placement, _StridedShard):
         return f"StridedShard({placement.dim}, {placement.split_factor})"

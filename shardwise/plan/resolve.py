@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import PlanError
-from .plan import Plan, placement_str
+from .plan import Plan, placement_str, shard_dim
 
 
 @dataclass
@@ -80,7 +80,7 @@ def _check_param(name: str, shape: tuple[int, ...], placements: tuple[Placement,
     placement = placements[0]
     if isinstance(placement, Partial):
         raise PlanError(f"parameter {name!r} cannot be Partial(); use Shard(d) or Replicate()")
-    if isinstance(placement, Shard):
+    if shard_dim(placement) is not None:
         dim = placement.dim if placement.dim >= 0 else placement.dim + len(shape)
         if not 0 <= dim < len(shape):
             raise PlanError(

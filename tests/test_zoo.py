@@ -1,0 +1,77 @@
+"""Zoo plans on tiny random-weight Hugging Face models, tp=2, against one process.
+
+Each model sits inside the user's own end2end module (`self.lm`), as users write it; the
+zoo plan finds its class wherever it is in the tree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import shardwise as sw
+from parity import run_and_compare
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+              intermediate_size=64, max_position_embeddings=64)
+
+
+class EndToEnd(nn.Module):
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def make(kind: str) -> EndToEnd:
+    torch.manual_seed(0)
+    t = transformers
+    if kind in ("llama", "qwen2", "mistral"):
+        config_class, model_class = {
+            "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+            "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+            "mistral": (t.MistralConfig, t.MistralForCausalLM),
+        }[kind]
+        return EndToEnd(model_class(config_class(num_key_value_heads=2, **COMMON)))
+    if kind == "gpt2":
+        config = t.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=64,
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return EndToEnd(t.GPT2LMHeadModel(config))
+    config = t.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **COMMON)
+    return EndToEnd(t.BertForMaskedLM(config))
+
+
+def batches(kind: str, steps: int = 4):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (4, 16), generator=gen)
+        labels = ids.clone()
+        if kind == "bert":  # masked-LM: loss on ~30% of positions
+            labels[torch.rand(4, 16, generator=gen) > 0.3] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "bert"])
+def test_zoo_plan_parity(kind):
+    run_and_compare(2, {"tp": 2}, functools.partial(make, kind), batches(kind), plan=kind)
+
+
+def test_zoo_lists_its_plans():
+    assert list(sw.plan.zoo) == ["bert", "gpt", "gpt2", "llama", "mistral", "qwen2"]
+    with pytest.raises(sw.PlanError, match="no zoo plan named 'falcon'; the zoo has bert, gpt, gpt2"):
+        sw.plan.zoo["falcon"]
+    with pytest.raises(sw.PlanError, match="neither a zoo plan"):
+        sw.parallelize(make("llama"), plan="falcon")
+
+
+def test_zoo_plan_on_the_wrong_model():
+    with pytest.raises(sw.PlanError, match="applies to LlamaForCausalLM modules, but EndToEnd contains none"):
+        sw.parallelize(make("gpt2"), sw.ParallelConfig(), plan="llama")
