@@ -12,14 +12,13 @@ ring all-reduce traffic per rank, 2(n-1)/n x payload.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shardwise as sw
+from common import print_times, timed_rounds
 from shardwise.models import GPT, GPTConfig
 
 
@@ -48,20 +47,7 @@ def _bench(args):
         ddp_opt.step()
         ddp_opt.zero_grad()
 
-    def timed(step) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for batch in batches:
-            step(batch)
-        dist.barrier()
-        return (time.perf_counter() - start) / len(batches)
-
-    for step in (sw_step, ddp_step):  # warm-up
-        step(batches[0])
-    times = {"shardwise": [], "torch DDP": []}
-    for _ in range(args.rounds):
-        times["shardwise"].append(timed(sw_step))
-        times["torch DDP"].append(timed(ddp_step))
+    times = timed_rounds({"shardwise": sw_step, "torch DDP": ddp_step}, batches, args.rounds)
 
     pm.gradients.stats.reset()
     sw_step(batches[0])
@@ -110,12 +96,7 @@ def main() -> None:
     samples = args.batch * n
     print(f"data parallel: GPT {res['params'] / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), "
           f"{n} gloo ranks, {args.batch} samples/rank of {args.seq} tokens, AdamW, bucket {args.bucket_mb} MiB")
-    print(f"{'':<12} {'median step':>12} {'samples/s':>10}   rounds (ms/step)")
-    rate = {}
-    for name, times in res["times"].items():
-        med = statistics.median(times)
-        rate[name] = samples / med
-        print(f"{name:<12} {med * 1e3:>9.1f} ms {rate[name]:>10.1f}   " + " ".join(f"{t * 1e3:.1f}" for t in times))
+    rate = print_times(res["times"], samples)
     print(f"ratio shardwise / DDP samples/s: {rate['shardwise'] / rate['torch DDP']:.3f}  (aim >= 1.0)")
     mib = 1 << 20
     ring = 2 * (n - 1) / n

@@ -19,6 +19,7 @@ from .config import ParallelConfig
 @dataclass
 class DemoSettings:
     ranks: int
+    tp: int
     steps: int
     batch: int
     microbatches: int
@@ -32,7 +33,8 @@ def _demo_data(settings: DemoSettings):
 
     text = tiny_corpus(seed=settings.seed)
     tokenizer = CharTokenizer(text)
-    gpt_config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=2, n_head=4, d_model=64)
+    vocab = -(-tokenizer.vocab_size // 8) * 8  # padded so tensor parallelism can split it
+    gpt_config = GPTConfig(vocab_size=vocab, block_size=32, n_layer=2, n_head=4, d_model=64)
     batches = list(token_batches(tokenizer.encode(text), settings.batch, 32, settings.steps, seed=settings.seed))
     return gpt_config, batches
 
@@ -51,8 +53,8 @@ def _demo_rank(settings: DemoSettings):
     import shardwise as sw
 
     gpt_config, batches = _demo_data(settings)
-    config = ParallelConfig(microbatches=settings.microbatches)
-    pmodel = sw.parallelize(_demo_model(gpt_config, settings.seed), config)
+    config = ParallelConfig(tp=settings.tp, microbatches=settings.microbatches)
+    pmodel = sw.parallelize(_demo_model(gpt_config, settings.seed), config, plan="gpt" if settings.tp > 1 else None)
     optimizer = sw.build_optimizer(pmodel, torch.optim.AdamW, lr=settings.lr)
     replica, replicas = sw.data_parallel_info(pmodel)
     first = pmodel.topology.rank == 0
@@ -68,9 +70,9 @@ def _demo_rank(settings: DemoSettings):
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update()
     elapsed = time.perf_counter() - start
+    state = {k: v.detach().cpu().clone() for k, v in pmodel.full_state_dict().items()}  # collective under tp
     if not first:
         return None
-    state = {k: v.detach().cpu().clone() for k, v in pmodel.full_state_dict().items()}
     return {"losses": losses, "state": state, "summary": pmodel.summary(), "seconds": elapsed}
 
 
@@ -98,19 +100,23 @@ def main() -> None:
 
 @main.command()
 @click.option("--ranks", default=4, show_default=True, help="Local processes to train on.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel degree (the zoo 'gpt' plan); dp = ranks / tp.")
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps.")
 @click.option("--batch", default=16, show_default=True, help="Global batch size (split across replicas).")
 @click.option("--microbatches", default=2, show_default=True, help="Microbatches per replica per step.")
 @click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
-def demo(ranks: int, steps: int, batch: int, microbatches: int, lr: float, seed: int, backend: str) -> None:
-    """Train the reference GPT data-parallel on local ranks, then on one process, and compare."""
+def demo(ranks: int, tp: int, steps: int, batch: int, microbatches: int, lr: float, seed: int, backend: str) -> None:
+    """Train the reference GPT on local ranks (data and tensor parallel), then on one process, and compare."""
     from .testing import run_on_ranks
 
-    if batch % (ranks * microbatches):
-        raise click.BadParameter(f"--batch {batch} must be a multiple of ranks*microbatches = {ranks * microbatches}")
-    settings = DemoSettings(ranks, steps, batch, microbatches, lr, seed, backend)
+    if tp < 1 or ranks % tp:
+        raise click.BadParameter(f"--tp {tp} must divide --ranks {ranks}")
+    replicas = ranks // tp
+    if batch % (replicas * microbatches):
+        raise click.BadParameter(f"--batch {batch} must be a multiple of replicas*microbatches = {replicas * microbatches}")
+    settings = DemoSettings(ranks, tp, steps, batch, microbatches, lr, seed, backend)
     click.echo(f"shardwise demo: {asdict(settings)}")
     result = run_on_ranks(_demo_rank, ranks, settings, backend=backend, timeout=1800)[0]
     click.echo(result["summary"])

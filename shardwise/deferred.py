@@ -1,7 +1,7 @@
 """Deferred initialization: build a module without memory, materialize only this rank's shards.
 
-`deferred_init(factory)` runs the factory on the meta device under a dispatch mode that
-records every operation (allocations, `normal_`, `uniform_`, copies, ...). `parallelize`
+`deferred_init(factory)` runs the factory under torch's FakeTensorMode (tensors with
+shapes and devices but no storage) and a dispatch mode that records every operation (allocations, `normal_`, `uniform_`, copies, ...). `parallelize`
 then replays the record on real CPU tensors, starting from the random-number state the
 factory started from, so every value is exactly what eager construction with the same seed
 computes. A parameter is cut to this rank's shard as soon as the last operation touching
@@ -15,7 +15,9 @@ so the global generator advances exactly as eager construction advances it, rese
 inside the factory included, and code that draws random numbers afterwards sees the same
 stream either way.
 
-Why our own: torchdistx's deferred_init is not part of torch, and `to_empty` followed by
+Why fake tensors rather than the meta device: libraries check the ambient device and skip
+their initialization on meta (Hugging Face does), so the record would miss it. Why our own:
+torchdistx's deferred_init is not part of torch, and `to_empty` followed by
 `reset_parameters()` does not reproduce eager values.
 """
 
@@ -28,6 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -46,8 +50,13 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def is_deferred(t: Any) -> bool:
+    """A tensor recorded by `deferred_init`, not yet materialized."""
+    return isinstance(t, FakeTensor)
+
+
 class _Recorder(TorchDispatchMode):
-    """Records ops on meta tensors; runs each seeded op once on a scratch CPU tensor so the
+    """Records ops on fake tensors; runs each seeded op once on a real scratch tensor so the
     global generator advances exactly as eager construction advances it (seeding inside the
     factory included), noting the generator state each seeded op started from."""
 
@@ -61,22 +70,17 @@ class _Recorder(TorchDispatchMode):
         rng_state = None
         if torch.Tag.nondeterministic_seeded in func.tags:
             rng_state = torch.get_rng_state()
-            scratch = tree_map(_scratch, (args, kwargs))
-            func(*scratch[0], **scratch[1])
-        self.ops.append((func, args, kwargs, out, rng_state))  # holds the meta tensors: storages stay unique
+            with no_dispatch():  # a real op on real scratch tensors, past the fake mode
+                scratch = tree_map(_scratch, (args, kwargs))
+                func(*scratch[0], **scratch[1])
+        self.ops.append((func, args, kwargs, out, rng_state))  # holds the fake tensors: storages stay unique
         return out
 
 
 def _scratch(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_meta:
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-    return _on_cpu(x)
-
-
-def _on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.device) and value.type == "meta":
-        return torch.device("cpu")
-    return value
+    if is_deferred(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return x
 
 
 @dataclass
@@ -100,10 +104,10 @@ class DeferredInit:
         created_at: dict[tuple, int] = {}
         for i, (_, args, kwargs, out, _) in enumerate(self.ops):
             for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.is_meta:
+                if is_deferred(t):
                     uses.setdefault(_storage(t), []).append((i, _key(t)))
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.is_meta:
+                if is_deferred(t):
                     created_at.setdefault(_key(t), i)
         targets = [_overwrite_target(func, args) for func, args, *_ in self.ops]
         final_storages = {k[0] for k in finals}
@@ -148,20 +152,19 @@ class DeferredInit:
                     torch.set_rng_state(rng_state)
                 target = targets[i]
                 if target is not None and _key(target) not in real:
-                    register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype))
+                    register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype,
+                                                           device=target.device))
 
                 def to_real(x):
-                    if isinstance(x, torch.Tensor) and x.is_meta:
-                        return real[_key(x)]
-                    return _on_cpu(x)
-                with torch.no_grad():
+                    return real[_key(x)] if is_deferred(x) else x
+                with torch.no_grad(), no_dispatch():
                     result = func(*tree_map(to_real, args), **tree_map(to_real, kwargs))
                 for meta, made in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
-                    if isinstance(meta, torch.Tensor) and meta.is_meta and _key(meta) not in real:
+                    if is_deferred(meta) and _key(meta) not in real:
                         register(_key(meta), made)
                 self.peak_bytes = max(self.peak_bytes, alive + self.materialized_bytes)
                 for storage in {_storage(t) for t in tree_flatten((args, kwargs, out))[0]
-                                if isinstance(t, torch.Tensor) and t.is_meta}:
+                                if is_deferred(t)}:
                     later = [u for u, _ in uses[storage] if u > i]
                     if not later:
                         release(storage, finalize=True)
@@ -177,11 +180,11 @@ _OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_
 
 
 def _overwrite_target(func: Any, args: tuple) -> torch.Tensor | None:
-    """The meta tensor an op fills whole without reading its old values, if any."""
+    """The recorded tensor an op fills whole without reading its old values, if any."""
     if func._opname not in _OVERWRITES or not args:
         return None
     t = args[0]
-    if not (isinstance(t, torch.Tensor) and t.is_meta and t.storage_offset() == 0):
+    if not (is_deferred(t) and t.storage_offset() == 0):
         return None
     covered = 1  # dense and non-overlapping: sorted strides are the running products of sizes
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
@@ -192,13 +195,13 @@ def _overwrite_target(func: Any, args: tuple) -> torch.Tensor | None:
 
 
 def deferred_init(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    """`factory(*args, **kwargs)` built on the meta device; `parallelize` materializes it.
+    """`factory(*args, **kwargs)` built without memory; `parallelize` materializes it.
 
     The module allocates no parameter memory until `sw.parallelize`, which gives each rank
     only its shards, with the values eager construction on CPU would have produced.
     """
     recorder = _Recorder()
-    with torch.device("meta"), recorder:
+    with FakeTensorMode(allow_non_fake_inputs=True), recorder:
         module = factory(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ModelError(f"deferred_init's factory returned {type(module).__name__}, not a torch.nn.Module")
@@ -217,10 +220,10 @@ def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placem
     record = deferred_record(module)
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     if record is None:
-        meta = [n for n, t in named if t.is_meta]
+        meta = [n for n, t in named if t.is_meta or is_deferred(t)]
         if meta:
             raise ModelError(
-                f"{meta[0]!r} is on the meta device but the module was not built with sw.deferred_init; "
+                f"{meta[0]!r} has no data (meta or fake tensor) and the module was not built with sw.deferred_init; "
                 "build it with sw.deferred_init(factory) so parallelize can materialize it"
             )
         return None
@@ -242,13 +245,13 @@ def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placem
     for path, mod in module.named_modules():
         prefix = f"{path}." if path else ""
         for leaf, param in list(mod._parameters.items()):
-            if param is None or not param.is_meta or prefix + leaf in sharded:
+            if param is None or not is_deferred(param) or prefix + leaf in sharded:
                 continue  # tensor parallelism takes sharded ones through the callback
             if id(param) not in made:
                 made[id(param)] = nn.Parameter(values[prefix + leaf], requires_grad=param.requires_grad)
             mod._parameters[leaf] = made[id(param)]
         for leaf, buffer in list(mod._buffers.items()):
-            if buffer is not None and buffer.is_meta:
+            if buffer is not None and is_deferred(buffer):
                 mod._buffers[leaf] = values[prefix + leaf]
     record._done = True
     return lambda name, placement: values[name]

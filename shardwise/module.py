@@ -25,6 +25,7 @@ from .comm import broadcast_rng_state
 from .config import ParallelConfig
 from .deferred import materializer
 from .errors import CheckpointError, ConfigError, ModelError, PlanError
+from .parallel.collectives import all_gather_single
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
 from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
                               tensor_parallel_rules)
@@ -139,7 +140,7 @@ class ParallelModule(nn.Module):
         if not named:
             return
         mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])
-        gathered = funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, tp.group)).view(tp.size, len(named))
+        gathered = funcol.wait_tensor(all_gather_single(mine, 0, tp.group)).view(tp.size, len(named))
         spread = (gathered.max(0).values - gathered.min(0).values) / gathered.abs().max(0).values.clamp_min(1e-30)
         bad = [name for (name, _), s in zip(named, spread.tolist()) if s > 1e-3]
         if bad:

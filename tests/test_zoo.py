@@ -75,3 +75,9 @@ def test_zoo_lists_its_plans():
 def test_zoo_plan_on_the_wrong_model():
     with pytest.raises(sw.PlanError, match="applies to LlamaForCausalLM modules, but EndToEnd contains none"):
         sw.parallelize(make("gpt2"), sw.ParallelConfig(), plan="llama")
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_deferred_init_of_hugging_face_models(kind):
+    """Transformers skips its weight init on the meta device; deferred init must still match eager."""
+    run_and_compare(2, {"tp": 2}, functools.partial(make, kind), batches(kind), plan=kind, deferred=True)

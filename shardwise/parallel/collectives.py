@@ -24,6 +24,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import PlanError
 
+# torch 2.13 renamed the functional all-gather / reduce-scatter (*_tensor -> *_single).
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
 
 def _dim(placement: Shard, x: torch.Tensor) -> int:
     return placement.dim % x.dim()
@@ -34,7 +38,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
+    return funcol.wait_tensor(all_gather_single(x.contiguous(), dim, group))
 
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -44,7 +48,7 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
             f"cannot reduce-scatter a tensor of shape {tuple(x.shape)} along dim {dim} over tp={size}: "
             f"{x.shape[dim]} is not divisible by {size} (for sequence parallelism the sequence length must be)"
         )
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+    return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

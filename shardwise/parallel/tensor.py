@@ -70,6 +70,12 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     return full
 
 
+def _is_deferred(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
@@ -249,7 +255,7 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) not in converted:
                 placement = placements.get(leaf, Replicate())
-                if param.is_meta and materialize is not None:
+                if materialize is not None and _is_deferred(param):
                     shard = materialize(f"{path}.{leaf}" if path else leaf, placement)
                     data = DTensor.from_local(shard, tp.mesh, [placement], run_check=False,
                                               shape=param.shape, stride=param.stride())
@@ -281,7 +287,7 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
 
     if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
         replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
-        broadcast_tensors([t.data for t in replicated if not t.is_meta], tp.group, 64 << 20)
+        broadcast_tensors([t.data for t in replicated], tp.group, 64 << 20)
     return tp
 
 

@@ -1,0 +1,116 @@
+"""Tensor parallel: shardwise vs torch's native `parallelize_module`, same run, same ranks.
+
+    python bench/tp.py [--ranks 2] [--layers 4] [--d-model 256] [--rounds 7]
+
+Both parallelize identical GPTs with the same Megatron layout: q, k, v and fc1
+ColwiseParallel, o_proj and fc2 RowwiseParallel (embedding and head replicated, because
+native `parallelize_module` unties tied weights). Rounds alternate between them; each step
+is forward, backward and an AdamW step. Then one step of each is counted, collective by
+collective (functional collectives, DTensor's included), and the per-layer count and bytes
+are printed against Megatron's formula: per column->row pair one all-reduce of b*s*h
+elements forward and one backward. shardwise's full zoo "gpt" plan (vocab-parallel
+embedding, loss-parallel head) is timed alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import shardwise as sw
+from common import print_times, timed_rounds
+from shardwise.comm import CollectiveCounter
+from shardwise.models import GPT, GPTConfig
+
+
+def _model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
+
+
+def _pairs_plan() -> sw.Plan:
+    col, row = "Shard(0)", "Shard(1)"
+    return sw.Plan(params={
+        "layers.*.attn.q_proj.weight": col, "layers.*.attn.q_proj.bias": col, "layers.*.attn.k_proj.weight": col,
+        "layers.*.attn.v_proj.weight": col, "layers.*.attn.v_proj.bias": col, "layers.*.attn.o_proj.weight": row,
+        "layers.*.mlp.fc1.weight": col, "layers.*.mlp.fc1.bias": col, "layers.*.mlp.fc2.weight": row,
+    }, name="column/row pairs")
+
+
+def _native(args) -> GPT:
+    model = _model(args)
+    plan = {}
+    for i in range(args.layers):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[f"layers.{i}.attn.{proj}"] = ColwiseParallel()
+        plan[f"layers.{i}.attn.o_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.fc1"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.fc2"] = RowwiseParallel()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(model, mesh, plan)
+
+
+def _bench(args):
+    gen = torch.Generator().manual_seed(100)
+    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+    tp = dist.get_world_size()
+    ours = sw.parallelize(_model(args), sw.ParallelConfig(tp=tp), plan=_pairs_plan())
+    zoo = sw.parallelize(_model(args), sw.ParallelConfig(tp=tp), plan="gpt")
+    native = _native(args)
+    optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ours, zoo, native)}
+
+    def train(model, step_fn):
+        def step(batch):
+            step_fn(batch)
+            optimizers[model].step()
+            optimizers[model].zero_grad()
+        return step
+
+    steps = {
+        "shardwise (pairs)": train(ours, ours.train_step),
+        "torch native TP": train(native, lambda b: native(b).backward()),
+        "shardwise (zoo gpt)": train(zoo, zoo.train_step),
+    }
+    times = timed_rounds(steps, batches, args.rounds)
+    counts = {}
+    for name, step in steps.items():
+        with CollectiveCounter() as counter:
+            step(batches[0])
+        counts[name] = (dict(counter.calls), dict(counter.bytes))
+    return {"times": times, "counts": counts, "tp": tp, "params": sum(p.numel() for p in _model(args).parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    args = parser.parse_args()
+
+    res = sw.testing.run_on_ranks(_bench, args.ranks, args, timeout=3600)[0]
+    print(f"tensor parallel: GPT {res['params'] / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), "
+          f"tp={res['tp']} on {args.ranks} gloo ranks, batch {args.batch} x {args.seq} tokens, AdamW")
+    rate = print_times(res["times"], args.batch)
+    ratio = rate["shardwise (pairs)"] / rate["torch native TP"]
+    print(f"ratio shardwise / native step rate, same plan: {ratio:.3f}  (aim >= 1.0)")
+
+    activation = args.batch * args.seq * args.d_model * 4  # b*s*h fp32 bytes
+    print(f"\ncollectives per step per layer (Megatron: 2 pairs x (1 all-reduce fwd + 1 bwd) = 4 all-reduces of "
+          f"b*s*h = {activation / 1024:.0f} KiB each, {4 * activation / 1024:.0f} KiB):")
+    for name, (calls, nbytes) in res["counts"].items():
+        layer_calls = {op: n / args.layers for op, n in calls.items()}
+        layer_bytes = sum(nbytes.values()) / args.layers
+        shown = ", ".join(f"{n:g} {op}" for op, n in sorted(layer_calls.items()))
+        note = " (includes embedding/head collectives, spread over layers)" if "zoo" in name else ""
+        print(f"  {name:<22} {shown:<40} {layer_bytes / 1024:8.0f} KiB{note}")
+
+
+if __name__ == "__main__":
+    main()
