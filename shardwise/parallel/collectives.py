@@ -41,23 +41,22 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     return funcol.wait_tensor(all_gather_single(x.contiguous(), dim, group))
 
 
-def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    if x.shape[dim] % size:
-        raise PlanError(
-            f"cannot reduce-scatter a tensor of shape {tuple(x.shape)} along dim {dim} over tp={size}: "
-            f"{x.shape[dim]} is not divisible by {size} (for sequence parallelism the sequence length must be)"
-        )
-    return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, group))
-
-
-def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    size = dist.get_world_size(group)
+def _divisible(x: torch.Tensor, dim: int, size: int) -> None:
     if x.shape[dim] % size:
         raise PlanError(
             f"cannot shard a tensor of shape {tuple(x.shape)} along dim {dim} over tp={size}: "
             f"{x.shape[dim]} is not divisible by {size} (for sequence parallelism the sequence length must be)"
         )
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    _divisible(x, dim, dist.get_world_size(group))
+    return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, group))
+
+
+def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    _divisible(x, dim, size)
     return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
 
 

@@ -235,21 +235,21 @@ class GradientBuckets:
 
     # controls ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self.sync_enabled = self.sync_enabled, False
+    def _switched_off(self, flag: str) -> Iterator[None]:
+        previous = getattr(self, flag)
+        setattr(self, flag, False)
         try:
             yield
         finally:
-            self.sync_enabled = previous
+            setattr(self, flag, previous)
 
-    @contextlib.contextmanager
-    def manual_finish(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate without communicating inside this block."""
+        return self._switched_off("sync_enabled")
+
+    def manual_finish(self) -> contextlib.AbstractContextManager:
         """Within this block the caller calls `finish()` itself (train_step does)."""
-        previous, self.auto_finish = self.auto_finish, False
-        try:
-            yield
-        finally:
-            self.auto_finish = previous
+        return self._switched_off("auto_finish")
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
