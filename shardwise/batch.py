@@ -77,8 +77,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss a module's forward returned first; `ModelError` unless it is a scalar with grad.
+def loss_of(output: Any, needs_grad: bool = True) -> torch.Tensor:
+    """The loss a module's forward returned first; `ModelError` unless it is a scalar (with
+    grad, unless `needs_grad` is False).
 
     A DTensor loss (from a loss-parallel head) is returned as its full, replicated value.
     """
@@ -92,11 +93,11 @@ def loss_of(output: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ModelError(
-            f"train_step needs module.forward(batch) to return the scalar loss first "
+            f"train_step (and pipeline parallelism) needs module.forward(batch) to return the scalar loss first "
             f"(a tensor, or a tuple/dict whose first entry is one); the first output was {got}. "
             "Compute the loss inside forward, e.g. `return F.cross_entropy(logits, batch['labels'])`"
         )
-    if not loss.requires_grad:
+    if needs_grad and not loss.requires_grad:
         raise ModelError(
             "the loss returned by module.forward(batch) does not require grad; "
             "check that the module has trainable parameters and that forward does not run under torch.no_grad()"

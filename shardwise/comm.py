@@ -104,15 +104,16 @@ def coalesce(items: Iterable, cap_bytes: int, key=None, nbytes=None) -> Iterator
 
 @torch.no_grad()
 def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, cap_bytes: int,
-                      stats: CommStats | None = None) -> None:
-    """Overwrite `tensors` in place with the values held by the group's first rank.
+                      stats: CommStats | None = None, src: int | None = None) -> None:
+    """Overwrite `tensors` in place with the values held by global rank `src` (default: the
+    group's first rank).
 
     Tensors are flattened into runs of at most `cap_bytes` so a model costs a few
     broadcasts, not one per parameter.
     """
     if dist.get_world_size(group) == 1:
         return
-    src = dist.get_global_rank(group, 0)
+    src = dist.get_global_rank(group, 0) if src is None else src
     for run in coalesce(tensors, cap_bytes):
         flat = torch.cat([t.reshape(-1) for t in run])
         if stats is not None:

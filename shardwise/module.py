@@ -1,8 +1,9 @@
 """`parallelize` and `ParallelModule`: the one front door.
 
 `parallelize` composes the executors in a fixed order, each reading only the Topology and
-the Plan: config -> Topology -> Plan (resolved against the module) -> tensor parallel ->
-data parallel. `ParallelModule` is an ordinary `nn.Module` around the user's module that
+the Plan: config -> Plan (resolved against the module) -> pipeline stage layout -> Topology
+-> prune to this rank's stages -> materialize (deferred init) -> tensor parallel ->
+pipeline schedule -> data parallel. `ParallelModule` is an ordinary `nn.Module` around the user's module that
 adds `train_step`, `infer_step`, `no_sync`, `summary` and full state dicts with the
 original module's keys.
 """
@@ -15,32 +16,37 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from .batch import loss_of, map_tensors, split_batch, to_device
-from .comm import broadcast_rng_state
+from .comm import broadcast_rng_state, broadcast_tensors
 from .config import ParallelConfig
-from .deferred import materializer
+from .deferred import is_deferred, materializer
 from .errors import CheckpointError, ConfigError, ModelError, PlanError
 from .parallel.collectives import all_gather_single
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
 from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
                               tensor_parallel_rules)
+from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
+from .plan.stages import INTERLEAVED, StageLayout, layout_stages
 from .topology import Topology, init_distributed
 
 # Degrees this build's executors run; later layouts lift these limits.
-_SUPPORTED = {"pp": 1, "cp": 1, "zero": 0}
+_SUPPORTED = {"cp": 1, "zero": 0}
 
 
 class ParallelModule(nn.Module):
     """A module trained across ranks: the user's module plus the executors applied to it."""
 
     def __init__(self, module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan,
-                 tensor_parallel: TensorParallel | None, gradients: GradientBuckets):
+                 tensor_parallel: TensorParallel | None, gradients: GradientBuckets,
+                 pipeline: Pipeline | None = None, state_layout: dict[str, tuple] | None = None,
+                 tied: dict[str, list[int]] | None = None, param_names: list[str] | None = None):
         super().__init__()
         self.module = module
         self.topology = topology
@@ -49,6 +55,10 @@ class ParallelModule(nn.Module):
         self.resolved_plan = resolved
         self.tensor_parallel = tensor_parallel
         self.gradients = gradients
+        self.pipeline = pipeline
+        self._state_layout = state_layout
+        self._tied = tied or {}
+        self._param_names = param_names or [n for n, _ in module.named_parameters()]
         self._replicated_grads_checked = tensor_parallel is None
 
     # running -------------------------------------------------------------------------
@@ -70,7 +80,10 @@ class ParallelModule(nn.Module):
         """The wrapped module's forward; `loss.backward()` then synchronizes gradients.
 
         With a loss-parallel plan, run the backward inside `pmodel.loss_parallel()` too (train_step does).
+        With pipeline parallelism use train_step and infer_step: one rank holds only its stages.
         """
+        if self.pipeline is not None:
+            raise ModelError("with pp > 1 a forward spans ranks: use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         with self._compute():
             return self._run(*args, **kwargs)
 
@@ -85,6 +98,8 @@ class ParallelModule(nn.Module):
         batch on one process); returns the mean loss, detached, the same on every rank.
         Inside `no_sync()` gradients are only accumulated and the loss is this replica's.
         """
+        if self.pipeline is not None:
+            return self._pipeline_train_step(to_device(batch, self.topology.device))
         parts = self.config.microbatches
         microbatches = split_batch(to_device(batch, self.topology.device), parts)
         syncing = self.gradients.sync_enabled
@@ -105,11 +120,26 @@ class ParallelModule(nn.Module):
         self._check_replicated_grads()
         return mean
 
+    def _pipeline_train_step(self, batch: Any) -> torch.Tensor:
+        syncing = self.gradients.sync_enabled
+        with self.gradients.no_sync(), self._compute():  # reduced once, after the whole schedule
+            loss = self.pipeline.train_step(batch)
+        if not syncing:
+            return loss
+        self.gradients.stage_scalars(loss)
+        mean = self.gradients.finish()[0]
+        self._check_replicated_grads()
+        return mean
+
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
-        """The module's outputs for `batch`, without gradients; sharded outputs gathered whole."""
+        """The module's outputs for `batch`, without gradients, on every rank; sharded outputs
+        gathered whole. With pp > 1: the last stage's outputs."""
+        batch = to_device(batch, self.topology.device)
         with self._compute():
-            out = self._run(to_device(batch, self.topology.device))
+            if self.pipeline is not None:
+                return self.pipeline.forward_pass(batch)[0]
+            out = self._run(batch)
         return map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
 
     @contextlib.contextmanager
@@ -150,32 +180,83 @@ class ParallelModule(nn.Module):
                 "under sequence parallelism) so their partial gradients are summed over tp"
             )
 
+    def gradient_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all gradients as one vector, as one process would compute it: every
+        shard (tp), stage (pp) and tied copy counted once. Same value on every rank."""
+        tp = self.tensor_parallel
+        first_holder = {name: ranks[0] for name, ranks in self._tied.items()}
+        grads = []
+        for name, param in self.module.named_parameters():
+            if param.grad is None or first_holder.get(name, self.topology.pp_rank) != self.topology.pp_rank:
+                continue  # a tied copy counted on its first pipeline rank
+            if tp is not None and not is_sharded(param) and self.topology.tp_rank != 0:
+                continue  # replicated over tp: counted on tp rank 0
+            grads.append(local(param.grad).detach())
+        inf = norm_type == float("inf")
+        device = self.topology.device
+        if inf:
+            total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        else:
+            total = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
+        group_dims = [d for d in ("pp", "tp") if self.topology.sizes[d] > 1]
+        if group_dims:
+            total = total.reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=self.topology.group(*group_dims))
+            total = total[0]
+        return total if inf else total ** (1.0 / norm_type)
+
     # state dicts ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """A plain state dict with the original module's keys and full tensors.
+        """A plain state dict with the original module's keys and full tensors, on every rank.
 
-        Collective when parameters are sharded: every rank must call it.
+        Collective when parameters are sharded or pipelined: every rank must call it.
         """
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+        own = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+        return self._gather_stages(own, list(self._state_layout or own))
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient, whole, under its original name, as one process would
+        hold it; parameters without a gradient are absent. Collective, like `full_state_dict`."""
+        own = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach()
+               for n, p in self.module.named_parameters() if p.grad is not None}
+        return self._gather_stages(own, [n for n in self._param_names if n in own or self.pipeline is not None])
+
+    def _gather_stages(self, own: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+        """`own` (this rank's entries) completed with every pipeline stage's, in `keys` order."""
+        if self.pipeline is None:
+            return {k: own[k] for k in keys}
+        found: dict[str, torch.Tensor] = {}
+        for stage in range(self.pipeline.layout.num_stages):  # each stage's owner sends what it has
+            owner = self.pipeline.owner(stage)
+            mine = [k for k in keys if self._state_layout[k][2] == stage and k in own]
+            box = [[(k, tuple(own[k].shape), own[k].dtype) for k in mine]] if owner == self.topology.rank else [None]
+            dist.broadcast_object_list(box, src=owner, group=self.pipeline.group)
+            tensors = [own[k] if owner == self.topology.rank else torch.empty(shape, dtype=dtype, device=self.topology.device)
+                       for k, shape, dtype in box[0]]
+            broadcast_tensors(tensors, self.pipeline.group, 64 << 20, src=owner)
+            found.update(zip((k for k, _, _ in box[0]), tensors))
+        return {k: found[k] for k in keys if k in found}
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a plain state dict (as `full_state_dict` returns): each rank keeps its shards."""
         own = self.module.state_dict()
-        missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
+        expected = self._state_layout or {k: (tuple(v.shape),) for k, v in own.items()}
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"state dict does not match {type(self.module).__name__}: missing keys {missing[:8]}, "
                 f"unexpected keys {unexpected[:8]}; pass a state dict of the same model or strict=False"
             )
-        for key in own.keys() & state_dict.keys():
-            if tuple(own[key].shape) != tuple(state_dict[key].shape):
+        for key in expected.keys() & state_dict.keys():
+            if expected[key][0] != tuple(state_dict[key].shape):
                 raise CheckpointError(
                     f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)} "
-                    f"but the model's is {tuple(own[key].shape)}"
+                    f"but the model's is {expected[key][0]}"
                 )
-        for key in own.keys() & state_dict.keys():
+        for key in own.keys() & state_dict.keys():  # entries of this rank's stages
             target, value = own[key], state_dict[key]
             if isinstance(target, DTensor):
                 mesh = target.device_mesh
@@ -212,6 +293,13 @@ class ParallelModule(nn.Module):
                    if tp.partial_grad_params else "")
                 + ("; loss-parallel head" if tp.loss_parallel else "")
             )
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            lines.append(f"  pipeline    {pipe.layout.num_stages} stages, schedule {pipe.schedule_name}, "
+                         f"{self.config.microbatches} microbatches; this rank runs stage(s) {pipe.stages}")
+            lines += [f"              {line}" for line in pipe.layout.describe()]
+            if self._tied:
+                lines.append(f"              tied across pipeline ranks (gradients summed): {sorted(self._tied)}")
         if grads.buckets:
             payload = sum(b.nbytes for b in grads.buckets)
             lines.append(f"  gradients   {len(grads.buckets)} bucket(s), all-reduced {payload / MiB:.2f} MiB per step")
@@ -266,14 +354,52 @@ def parallelize(
     resolved = resolve_plan(chosen, module, config.tp)  # all plan errors before any collective
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
+    layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     init_distributed(timeout=timedelta(seconds=config.timeout_s))
     topology = Topology(config)
 
+    state_layout, tied = None, {}
+    param_names = [n for n, _ in module.named_parameters()]  # before pruning: the original names
+    if layout is not None:
+        tied = tied_across_ranks(module, layout)
+        state_layout = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages only
     materialize = materializer(module, resolved, topology)  # deferred init: each rank's shards only
     tensor_parallel = None
     if topology.sizes["tp"] > 1:
         broadcast_rng_state(topology.group("tp"), topology.device)  # random ops agree inside a replica
         tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
     module.to(topology.device)
-    gradients = apply_data_parallel(module, topology, topology.config, tensor_parallel)
-    return ParallelModule(module, topology, chosen, resolved, tensor_parallel, gradients)
+    pmodel = ParallelModule(module, topology, chosen, resolved, tensor_parallel, None, None, state_layout, tied,
+                            param_names)
+    if layout is not None:
+        pmodel.pipeline = Pipeline(module, topology, layout, config.schedule, config.microbatches, pmodel._run)
+        with pmodel._compute():
+            pmodel.pipeline.setup(to_device(sample, topology.device))
+    pmodel.gradients = apply_data_parallel(module, topology, topology.config, tensor_parallel, tied)
+    return pmodel
+
+
+def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> StageLayout:
+    """Stages for pp > 1, checked before any rank communicates (same result on every rank)."""
+    if sample is None:
+        raise ConfigError(f"pp={config.pp} needs sample=<a batch like the training batches> to lay out the stages")
+    if config.microbatches < config.pp:
+        raise ConfigError(
+            f"microbatches={config.microbatches} < pp={config.pp}: a pipeline of {config.pp} stages needs at least "
+            f"{config.pp} microbatches per step to keep every stage busy; set microbatches >= {config.pp}"
+        )
+    if config.schedule in INTERLEAVED and config.microbatches % config.pp:
+        raise ConfigError(
+            f"schedule {config.schedule!r} needs microbatches divisible by pp={config.pp}, got {config.microbatches}"
+        )
+    microbatch = split_batch(sample, config.microbatches)[0]
+    with _fake_mode_of(module):
+        return layout_stages(module, plan, config, microbatch)
+
+
+def _fake_mode_of(module: nn.Module) -> contextlib.AbstractContextManager:
+    """The fake-tensor mode a deferred module was recorded in (so its forward runs without data)."""
+    for tensor in module.parameters():
+        if is_deferred(tensor):
+            return tensor.fake_mode
+    return contextlib.nullcontext()

@@ -15,6 +15,7 @@ from torch import nn
 
 from .errors import ShardwiseError
 from .module import ParallelModule
+from .parallel.tensor import local
 
 
 class ParallelOptimizer:
@@ -32,12 +33,12 @@ class ParallelOptimizer:
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm."""
         self._pmodel.finish_gradient_sync()
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]  # type: ignore[attr-defined]
-        grads = [p.grad for p in params]
-        if not grads:
-            return torch.zeros((), device=self._pmodel.topology.device)
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        total = self._pmodel.gradient_norm(norm_type)
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                if p.grad is not None:
+                    local(p.grad).mul_(coefficient.to(local(p.grad).dtype))
         return total
 
 

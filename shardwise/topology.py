@@ -142,6 +142,13 @@ class Topology:
                 return ranks
         raise AssertionError(f"rank {self.rank} is in no {dims} group")  # grid covers every rank
 
+    def ranks_at(self, dims: Iterable[str], **coordinates: int) -> list[int]:
+        """The ranks of the group spanning `dims` around this rank's coordinates, with some
+        overridden, e.g. `ranks_at(["dp"], pp=0)`: the dp group of pipeline stage 0 here."""
+        at = dict(self.coordinates, **coordinates)
+        rank = int(self.grid[tuple(at[d] for d in MESH_DIMS)])
+        return next(g for g in group_family(self.grid, dims) if rank in g)
+
     def group(self, *dims: str) -> dist.ProcessGroup:
         """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").
 
@@ -153,6 +160,18 @@ class Topology:
             self._groups[key] = dist.new_group(
                 self.group_ranks(*key), timeout=self.timeout, use_local_synchronization=True
             )
+        return self._groups[key]
+
+    def group_of(self, ranks: Iterable[int]) -> dist.ProcessGroup:
+        """A group of exactly `ranks` (e.g. the pipeline ranks holding a tied parameter).
+
+        Created on first use with the config's timeout; every member must ask for it.
+        """
+        key = ("ranks",) + tuple(sorted(set(ranks)))
+        if self.rank not in key[1:]:
+            raise ShardwiseError(f"rank {self.rank} asked for group {list(key[1:])} it is not a member of")
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key[1:]), timeout=self.timeout, use_local_synchronization=True)
         return self._groups[key]
 
     def describe(self) -> str:

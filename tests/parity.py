@@ -56,20 +56,26 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: _full(p.grad) for n, p in module.named_parameters() if p.grad is not None}
 
 
-def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan=None, deferred: bool = False):
-    """Run on each rank: parallelize, train with train_step; losses, full state, first grads."""
+def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan=None, deferred: bool = False,
+                   clip: float | None = None):
+    """Run on each rank: parallelize, train with train_step; losses, full state, first grads, norms."""
+    import torch.distributed as dist
+
     model = sw.deferred_init(factory) if deferred else factory()
-    pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan)
+    replicas = dist.get_world_size() // (config.get("tp", 1) * config.get("pp", 1))
+    pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan, sample=replica_slice(batches[0], 0, replicas))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
     index, count = sw.data_parallel_info(pm)
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for batch in batches:
         losses.append(float(pm.train_step(replica_slice(batch, index, count))))
-        grads = grads or full_grads(pm.module)
+        grads = grads or {k: v.clone() for k, v in pm.full_grad_dict().items()}
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm(clip)))
         opt.step()
         opt.zero_grad()
     state = {k: _full(v) for k, v in pm.full_state_dict().items()}
-    return losses, state, grads
+    return losses, state, grads, norms
 
 
 def reference_run(factory: Callable[[], nn.Module], batches, lr: float = LR, clip: float | None = None):
@@ -109,7 +115,11 @@ def assert_parity(reference, result, tol: float = TOL, loss_tol: float = 1e-6) -
     return diff
 
 
-def run_and_compare(world: int, config: dict, factory, batches, plan=None, deferred: bool = False) -> float:
-    reference = reference_run(factory, batches)
-    results = sw.testing.run_on_ranks(train_parallel, world, config, factory, batches, plan, deferred)
+def run_and_compare(world: int, config: dict, factory, batches, plan=None, deferred: bool = False,
+                    clip: float | None = None) -> float:
+    reference = reference_run(factory, batches, clip=clip)
+    results = sw.testing.run_on_ranks(train_parallel, world, config, factory, batches, plan, deferred, clip)
+    for result in results:
+        for got, want in zip(result[3], reference[3]):  # clip_grad_norm: the global norm, as on one process
+            assert abs(got - want) <= 1e-5 * max(1.0, want), f"grad norm {got} != {want}"
     return max(assert_parity(reference, r) for r in results)

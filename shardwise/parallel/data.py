@@ -52,11 +52,17 @@ SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)
 
 @dataclass(frozen=True)
 class ReduceGroup:
-    """Where a parameter's gradient is summed, and the factor applied first."""
+    """Where a parameter's gradient is summed, and the factor applied first.
+
+    `uniform`: every member holds the same parameters in the same order (data- and
+    tensor-parallel peers do; pipeline ranks sharing a tied parameter do not), so
+    per-parameter flags can ride along in this group's buckets.
+    """
 
     group: dist.ProcessGroup
     scale: float
     label: str
+    uniform: bool = True
 
     @property
     def size(self) -> int:
@@ -99,17 +105,19 @@ class GradientBuckets:
     `finish()`) reduces everything accumulated since the last synchronization.
     """
 
-    def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int):
+    def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int,
+                 replicas: ReduceGroup):
         if not params:
             raise ShardwiseError("no trainable parameters to synchronize")
         self.params = params
+        self.replicas = replicas  # where the unused-parameter mask and step scalars are averaged
         self.stats = CommStats()
         # A parameter whose group is one rank has nothing to reduce: plain autograd gradient.
         synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if r.size > 1]
         runs = list(coalesce(synced, bucket_bytes, key=lambda pr: (local(pr[0]).dtype, local(pr[0]).device, pr[1]),
                              nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
         tail = len(params) + SCALAR_SLOTS
-        self._tail_in_bucket = bool(runs) and local(runs[-1][0][0]).dtype == torch.float32
+        self._tail_in_bucket = bool(runs) and local(runs[-1][0][0]).dtype == torch.float32 and runs[-1][0][1].uniform
         self.buckets = [
             Bucket(i, [p for p, _ in run], run[0][1], tail if self._tail_in_bucket and i == len(runs) - 1 else 0)
             for i, run in enumerate(runs)
@@ -184,12 +192,14 @@ class GradientBuckets:
         return side.div_(size)
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.pending:  # parameters with no gradient in this backward
+        if bucket.pending:  # parameters no hook reported in this backward
             for param, view in zip(bucket.params, bucket.views):
                 if param.grad is None:
                     view.zero_()  # a peer's gradient may still arrive; finish() decides
-                elif local(param.grad).data_ptr() != view.data_ptr():
-                    view.copy_(local(param.grad))
+                else:  # a gradient written directly (e.g. a pipeline's separate weight-gradient pass)
+                    self._used[self._index[param]] = True
+                    if local(param.grad).data_ptr() != view.data_ptr():
+                        view.copy_(local(param.grad))
                 param.grad = _as_grad(param, view)
         reduce = bucket.reduce
         bucket.buffer.mul_(reduce.scale)
@@ -197,10 +207,10 @@ class GradientBuckets:
             bucket.tail.copy_(self._side_values(reduce.size))
         self.stats.record("all_reduce", bucket.buffer)
         bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
-        if bucket is self.buckets[-1] and not self._tail_in_bucket:
-            self._side = self._side_values(reduce.size)
+        if bucket is self.buckets[-1] and not self._tail_in_bucket and self.replicas.size > 1:
+            self._side = self._side_values(self.replicas.size)
             self.stats.record("all_reduce", self._side)
-            self._side_work = dist.all_reduce(self._side, group=reduce.group, async_op=True)
+            self._side_work = dist.all_reduce(self._side, group=self.replicas.group, async_op=True)
         self._next = bucket.index + 1
 
     def finish(self) -> torch.Tensor | None:
@@ -219,16 +229,16 @@ class GradientBuckets:
         for bucket in self.buckets:
             what = f"all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)"
             wait(bucket.work, what, bucket.reduce.group)
-        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.buckets[-1].reduce.group)
+        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.replicas.group)
         n = len(self.params)
         side = self.buckets[-1].tail if self._tail_in_bucket else self._side
         if not all(self._used[self._index[p]] for p in self._slot):
-            used_anywhere = side[:n].tolist()
+            used_anywhere = self._used if side is None else side[:n].tolist()
             for param in self._slot:  # no replica produced a gradient: as on one process, none
                 if not used_anywhere[self._index[param]]:
                     param.grad = None
         scalars = self._scalars
-        if scalars is not None:
+        if scalars is not None and side is not None:
             scalars = side[n: n + scalars.numel()].clone()
         self._reset_window()
         return scalars
@@ -283,19 +293,36 @@ class GradientBuckets:
 
 
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
-                        tensor_parallel: TensorParallel | None = None) -> GradientBuckets:
+                        tensor_parallel: TensorParallel | None = None,
+                        tied: dict[str, list[int]] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
-    gradients are averaged over the data-parallel (and context-parallel) ranks, and those
-    that are partial over tensor-parallel ranks are summed over them in the same pass.
+    gradients are averaged over the data-parallel (and context-parallel) ranks. Gradients
+    partial over tensor-parallel ranks are summed over them in the same pass, and those of a
+    parameter held by several pipeline ranks (`tied`: name -> pp ranks) over those ranks.
     """
-    dp = ReduceGroup(topology.group("dp", "cp"), 1.0 / topology.size("dp", "cp"), "dp")
+    dp_dims = ("dp", "cp")
+    scale = 1.0 / topology.size(*dp_dims)
+    dp = ReduceGroup(topology.group(*dp_dims), scale, "dp")
     partial = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
-    dp_tp = ReduceGroup(topology.group("dp", "cp", "tp"), dp.scale, "dp+tp (partial over tp)") if partial else dp
+    tied = tied or {}
+    tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
+
+    def reduce_group(param: nn.Parameter) -> ReduceGroup:
+        dims = dp_dims + (("tp",) if id(param) in partial else ())
+        stages = tied_ids.get(id(param))
+        if stages is None:
+            return ReduceGroup(topology.group(*dims), scale, "dp+tp (partial over tp)") if "tp" in dims else dp
+        ranks = [r for pp_rank in stages for r in topology.ranks_at(dims, pp=pp_rank)]
+        return ReduceGroup(topology.group_of(ranks), scale, f"dp + pipeline ranks {stages} (tied)", uniform=False)
+
     params = [p for p in module.parameters() if p.requires_grad]
+    groups = [reduce_group(p) for p in params]
     bucket_bytes = int(config.bucket_mb * MiB)
-    buckets = GradientBuckets(params, [dp_tp if id(p) in partial else dp for p in params], bucket_bytes)
+    buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp)
     state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
+    for group in dict.fromkeys(g for p, g in zip(params, groups) if id(p) in tied_ids):  # tied copies start equal
+        broadcast_tensors([local(p).data for p, g in zip(params, groups) if g == group], group.group, bucket_bytes)
     return buckets

@@ -229,7 +229,7 @@ def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str
     rules = {}
     for path, placements in owned.items():
         mod = modules[path]
-        sharded = {leaf for leaf, p in placements.items() if not isinstance(p, Replicate)}
+        sharded = {leaf for leaf, p in placements.items() if not isinstance(p, Replicate) and getattr(mod, leaf) is not None}
         if not sharded or (path not in ruled and all(id(getattr(mod, leaf)) in computed_by_rule for leaf in sharded)):
             continue  # replicated, or a tied copy of a parameter a rule module computes with
         placements = dict(placements)
@@ -251,6 +251,8 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
     converted: dict[int, nn.Parameter] = {}
     for path, (rule, placements) in tensor_parallel_rules(module, resolved).items():
         mod = modules[path]
+        if not any(True for _ in mod.parameters(recurse=False)):
+            continue  # pruned: this pipeline rank never runs it
         tp.sharded_modules[path] = rule.__name__.strip("_")
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) not in converted:

@@ -98,7 +98,9 @@ class Plan:
 
     params: {"layers.*.attn.q_proj.weight": [Shard(0)], ...}
     activations: {"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": [[Shard(1)]]}
-    stages: pipeline stage boundaries (module paths that begin a stage), or None for automatic.
+    stages: pipeline stages, as the module paths that begin stages 1..n-1 (["layers.4"]) or as
+        every stage's modules ([["wte", "layers.0"], ["layers.1", "lm_head"]]); None: balanced
+        automatically. virtual_stages: stages per pipeline rank (interleaved schedules).
     zero: ZeRO stage, or None to take the config's.
     recompute: patterns of modules whose activations are recomputed in backward.
     loss_parallel: column-parallel heads whose vocabulary-sharded logits reach the loss as
@@ -111,7 +113,8 @@ class Plan:
 
     params: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
     activations: dict[str, tuple[tuple[Placement, ...] | None, ...]] = field(default_factory=dict)
-    stages: list[str] | None = None
+    stages: list[str] | list[list[str]] | None = None
+    virtual_stages: int | None = None
     zero: int | None = None
     recompute: list[str] = field(default_factory=list)
     loss_parallel: list[str] = field(default_factory=list)
@@ -128,7 +131,9 @@ class Plan:
                     f"plan activation {key!r} must end in '.input' or '.output' (e.g. 'layers.*.mlp.input')"
                 )
         if self.stages is not None:
-            self.stages = [str(s) for s in self.stages]
+            self.stages = [[str(p) for p in s] if isinstance(s, (list, tuple)) else str(s) for s in self.stages]
+        if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
+            raise PlanError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
         self.recompute = [str(r) for r in self.recompute]
         self.loss_parallel = [str(r) for r in self.loss_parallel]
         self.divide_by_tp = [str(r) for r in self.divide_by_tp]
@@ -156,6 +161,7 @@ class Plan:
                 for k, v in self.activations.items()
             },
             "stages": self.stages,
+            "virtual_stages": self.virtual_stages,
             "zero": self.zero,
             "recompute": list(self.recompute),
             "loss_parallel": list(self.loss_parallel),
@@ -205,7 +211,11 @@ class Plan:
         if not self.params and not self.activations:
             lines.append("  every parameter replicated")
         if self.stages is not None:
-            lines.append(f"  stages begin at: {', '.join(self.stages) or '(one stage)'}")
+            shown = "; ".join(", ".join(s) if isinstance(s, list) else s for s in self.stages)
+            lines.append(f"  stages begin at: {shown or '(one stage)'}" if all(isinstance(s, str) for s in self.stages)
+                         else f"  stages: {shown}")
+        if self.virtual_stages is not None:
+            lines.append(f"  virtual stages per rank: {self.virtual_stages}")
         if self.zero is not None:
             lines.append(f"  zero: {self.zero}")
         if self.recompute:

@@ -1,0 +1,122 @@
+"""Pipeline parallel parity (every schedule, composed with dp and tp), stage layout and errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from parity import gpt_batches, make_gpt, run_and_compare
+from shardwise.plan.stages import balance, layout_stages
+
+STEPS = 5
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_parity_gpt_with_tied_embeddings(pp, schedule):
+    factory = functools.partial(make_gpt, 0, n_layer=8)  # wte tied to lm_head: first and last stage
+    run_and_compare(pp, {"pp": pp, "microbatches": 8, "schedule": schedule}, factory, gpt_batches(STEPS, 8))
+
+
+@pytest.mark.parametrize("world, config", [
+    (4, {"pp": 2, "microbatches": 4}),                                  # pp x dp
+    (4, {"pp": 2, "tp": 2, "microbatches": 4}),                         # pp x tp
+    (8, {"pp": 2, "tp": 2, "microbatches": 2, "schedule": "gpipe"}),   # pp x tp x dp
+])
+def test_pipeline_composes_with_data_and_tensor_parallel(world, config):
+    plan = "gpt" if config.get("tp", 1) > 1 else None
+    run_and_compare(world, config, functools.partial(make_gpt, 0, n_layer=4), gpt_batches(STEPS, 8), plan=plan, clip=0.5)
+
+
+@pytest.mark.parametrize("stages", [
+    ["layers.1"],                                                            # where stage 1 begins
+    [["wte", "wpe", "layers.0"], ["layers.1", "layers.2", "layers.3", "ln_f", "lm_head"]],  # every stage listed
+])
+def test_manual_stages(stages):
+    plan = sw.Plan(stages=stages)
+    run_and_compare(2, {"pp": 2, "microbatches": 2}, functools.partial(make_gpt, 0, n_layer=4), gpt_batches(3, 4), plan=plan)
+
+
+def _dict_batches(steps: int):
+    return [{"input_ids": b[:, :-1], "labels": b[:, 1:]} for b in gpt_batches(steps, 8)]
+
+
+def test_dict_batch_model_and_inference():
+    """Each stage takes what it needs from the dict batch (the last stage: labels)."""
+    factory = functools.partial(make_gpt, 0, n_layer=4)
+    run_and_compare(2, {"pp": 2, "microbatches": 4}, factory, _dict_batches(STEPS))
+    batch = _dict_batches(1)[0]
+    small = {k: v[:3] for k, v in batch.items()}  # inference takes any batch size, not the sample's
+    with torch.no_grad():
+        want = [float(factory()(b)) for b in (batch, small)]
+    for got in sw.testing.run_on_ranks(_infer, 2, batch, small):  # every rank gets the last stage's output
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def _infer(batch, small):
+    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=2), sample=batch)
+    return [float(pm.infer_step(b)) for b in (batch, small)]
+
+
+def test_automatic_split_balances_cost():
+    assert balance([1, 1, 1, 1], [True] * 4, 2) == [0, 2]
+    assert balance([4, 1, 1, 1, 1], [True] * 5, 2) == [0, 1]
+    assert balance([1, 5, 1, 1, 5, 1], [True, True, False, True, True, True], 2) == [0, 3]
+    model = make_gpt(0, n_layer=6)
+    layout = layout_stages(model, sw.Plan(), sw.ParallelConfig(pp=3), gpt_batches(1, 2)[0])
+    costs = [layout.cost(s) for s in range(3)]
+    assert max(costs) / min(costs) < 1.3, costs
+    assert layout.units_of(0)[0] == "wte" and layout.units_of(2)[-1] == "lm_head"
+
+
+# -- bad input: the same clear error on every rank, before anything blocks -------------------
+def _error(config: dict, plan, sample, model=None):
+    try:
+        sw.parallelize(model or make_gpt(0, n_layer=4), sw.ParallelConfig(**config), plan=plan, sample=sample)
+    except sw.ShardwiseError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+class ReturnsLogits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("config, plan, sample, kind, pattern", [
+    ({"pp": 2, "microbatches": 1}, None, "gpt", "ConfigError", r"microbatches=1 < pp=2"),
+    ({"pp": 2, "microbatches": 3}, None, "gpt", "BatchError", r"batch size 8 is not divisible by microbatches=3"),
+    ({"pp": 2, "microbatches": 2}, None, None, "ConfigError", r"pp=2 needs sample="),
+    ({"pp": 2, "microbatches": 2}, {"stages": [["wte", "layers.0"], ["layers.0", "lm_head"]]}, "gpt", "PlanError",
+     r"plan stages repeat \['layers.0'\] and skip \['wpe', 'layers.1', 'layers.2', 'layers.3', 'ln_f'\]"),
+    ({"pp": 2, "microbatches": 2}, {"stages": ["layers.1.mlp"]}, "gpt", "PlanError",
+     r"stage boundary 'layers.1.mlp' is inside module 'layers.1'"),
+    ({"pp": 2, "microbatches": 4}, {"virtual_stages": 2}, "gpt", "PlanError", r"schedule '1f1b' runs one stage per rank"),
+    ({"pp": 2, "microbatches": 2}, None, "logits", "ModelError", r"return the scalar loss first"),
+])
+def test_bad_pipeline_input(config, plan, sample, kind, pattern):
+    import re
+
+    model = ReturnsLogits() if sample == "logits" else None
+    sample = {"gpt": gpt_batches(1, 8)[0], "logits": torch.randn(8, 4), None: None}[sample]
+    results = sw.testing.run_on_ranks(_error, 2, config, plan, sample, model)
+    assert results[0] is not None and results[0][0] == kind, results[0]
+    assert re.search(pattern, results[0][1]), results[0][1]
+    assert all(r == results[0] for r in results)
+
+
+def test_more_stages_than_layers():
+    model = make_gpt(0, n_layer=1)  # wte, wpe, layers.0, ln_f, lm_head: 5 modules with parameters
+    with pytest.raises(sw.PlanError, match=r"8 pipeline stages .* has only 5 modules with parameters"):
+        layout_stages(model, sw.Plan(), sw.ParallelConfig(pp=8), gpt_batches(1, 8)[0])
