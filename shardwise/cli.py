@@ -20,6 +20,8 @@ from .config import ParallelConfig
 class DemoSettings:
     ranks: int
     tp: int
+    pp: int
+    schedule: str
     steps: int
     batch: int
     microbatches: int
@@ -53,8 +55,12 @@ def _demo_rank(settings: DemoSettings):
     import shardwise as sw
 
     gpt_config, batches = _demo_data(settings)
-    config = ParallelConfig(tp=settings.tp, microbatches=settings.microbatches)
-    pmodel = sw.parallelize(_demo_model(gpt_config, settings.seed), config, plan="gpt" if settings.tp > 1 else None)
+    config = ParallelConfig(tp=settings.tp, pp=settings.pp, microbatches=settings.microbatches,
+                            schedule=settings.schedule)
+    replicas = settings.ranks // (settings.tp * settings.pp)
+    per = batches[0].shape[0] // replicas
+    pmodel = sw.parallelize(_demo_model(gpt_config, settings.seed), config, plan="gpt" if settings.tp > 1 else None,
+                            sample=batches[0][:per])
     optimizer = sw.build_optimizer(pmodel, torch.optim.AdamW, lr=settings.lr)
     replica, replicas = sw.data_parallel_info(pmodel)
     first = pmodel.topology.rank == 0
@@ -62,7 +68,6 @@ def _demo_rank(settings: DemoSettings):
     start = time.perf_counter()
     with tqdm(total=settings.steps, desc=f"parallel ({settings.ranks} ranks)", disable=not first, leave=True) as bar:
         for batch in batches:
-            per = batch.shape[0] // replicas
             loss = pmodel.train_step(batch[replica * per:(replica + 1) * per])
             optimizer.step()
             optimizer.zero_grad()
@@ -100,23 +105,27 @@ def main() -> None:
 
 @main.command()
 @click.option("--ranks", default=4, show_default=True, help="Local processes to train on.")
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel degree (the zoo 'gpt' plan); dp = ranks / tp.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel degree (the zoo 'gpt' plan).")
+@click.option("--pp", default=1, show_default=True, help="Pipeline-parallel degree; dp = ranks / (tp * pp).")
+@click.option("--schedule", default="1f1b", show_default=True,
+              type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]), help="Pipeline schedule.")
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps.")
 @click.option("--batch", default=16, show_default=True, help="Global batch size (split across replicas).")
 @click.option("--microbatches", default=2, show_default=True, help="Microbatches per replica per step.")
 @click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
-def demo(ranks: int, tp: int, steps: int, batch: int, microbatches: int, lr: float, seed: int, backend: str) -> None:
-    """Train the reference GPT on local ranks (data and tensor parallel), then on one process, and compare."""
+def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, microbatches: int, lr: float,
+         seed: int, backend: str) -> None:
+    """Train the reference GPT on local ranks (data, tensor, pipeline parallel), then on one process, and compare."""
     from .testing import run_on_ranks
 
-    if tp < 1 or ranks % tp:
-        raise click.BadParameter(f"--tp {tp} must divide --ranks {ranks}")
-    replicas = ranks // tp
+    if tp < 1 or pp < 1 or ranks % (tp * pp):
+        raise click.BadParameter(f"--tp {tp} x --pp {pp} must divide --ranks {ranks}")
+    replicas = ranks // (tp * pp)
     if batch % (replicas * microbatches):
         raise click.BadParameter(f"--batch {batch} must be a multiple of replicas*microbatches = {replicas * microbatches}")
-    settings = DemoSettings(ranks, tp, steps, batch, microbatches, lr, seed, backend)
+    settings = DemoSettings(ranks, tp, pp, schedule, steps, batch, microbatches, lr, seed, backend)
     click.echo(f"shardwise demo: {asdict(settings)}")
     result = run_on_ranks(_demo_rank, ranks, settings, backend=backend, timeout=1800)[0]
     click.echo(result["summary"])

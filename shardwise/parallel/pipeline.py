@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from ..batch import batch_size, loss_of, map_tensors, split_batch
 from ..errors import BatchError, ModelError, PlanError
@@ -64,8 +64,9 @@ def _replace_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _spec(output: Any) -> tuple:
     """What a unit returned, without its values: to build a placeholder elsewhere."""
-    leaves, spec = tree_flatten(output)
-    return spec, [("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
+    leaves, spec = tree_flatten(output)  # the structure as text: it travels between stages
+    return treespec_dumps(spec), [("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x)
+                                  for x in leaves]
 
 
 def _placeholder(spec: tuple, device: torch.device) -> Any:
@@ -78,7 +79,7 @@ def _placeholder(spec: tuple, device: torch.device) -> Any:
             shape, dtype = rest
             fill = float("nan") if dtype.is_floating_point else 0
             made.append(torch.full(shape, fill, dtype=dtype, device=device))
-    return tree_unflatten(made, tree_spec)
+    return tree_unflatten(made, treespec_loads(tree_spec))
 
 
 @dataclass

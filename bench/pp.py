@@ -1,0 +1,128 @@
+"""Pipeline schedules: measured bubble fraction and live activations, beside the theory.
+
+    python bench/pp.py [--ms 4] [--blocks 8]
+
+The model is a stack of blocks whose compute is emulated by fixed sleeps: forward, input
+gradient and weight gradient each take --ms milliseconds per block, on separate autograd
+paths so a zero-bubble schedule can run them apart. Sleeping keeps a 2-core machine from
+turning p ranks into p compute-bound processes fighting for cores, so what is measured is
+the schedule, not the machine. For each schedule, p in {2, 4} and m in {4, 8}: the bubble,
+1 - (time this rank spent computing) / (step time), averaged over ranks, next to
+(p-1)/(m+p-1) (interleaved, v stages per rank: (p-1)/(v*m+p-1)), and the peak number of
+microbatches whose activations were alive at once on each stage (1F1B: at most p - stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel.pipeline import PipelineStats
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `forward_s` in forward and `backward_s` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s, clock):
+        ctx.backward_s, ctx.clock = backward_s, clock
+        _nap(forward_s, clock)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _nap(ctx.backward_s, ctx.clock)
+        return grad, None, None, None
+
+
+def _nap(seconds: float, clock: list) -> None:
+    if seconds:
+        time.sleep(seconds)
+        clock[0] += seconds
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, ms: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(width) + 0.01 * torch.randn(width, width))
+        self.seconds = ms / 1000
+        self.clock = [0.0]  # seconds this block spent "computing"
+
+    def forward(self, x):
+        x = _Sleep.apply(x, self.seconds, self.seconds, self.clock)  # forward; input-gradient path
+        weight = _Sleep.apply(self.weight, 0.0, self.seconds, self.clock)  # weight-gradient path
+        return x @ weight
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, width: int, ms: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(width, ms) for _ in range(blocks))
+
+    def forward(self, batch):
+        x = batch["x"]
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def _bench(args):
+    pp = dist.get_world_size()
+    rows = []
+    for schedule in SCHEDULES:
+        for m in (4, 8):
+            batch = {"x": torch.randn(2 * m, 16)}
+            pm = sw.parallelize(Stack(args.blocks, 16, args.ms), sw.ParallelConfig(pp=pp, microbatches=m, schedule=schedule),
+                                sample=batch)
+            opt = sw.build_optimizer(pm, torch.optim.SGD, lr=0.0)
+            pm.train_step(batch)  # warm-up
+            opt.zero_grad()
+            bubbles = []
+            for _ in range(args.steps):
+                blocks = [b for b in pm.module.blocks if b.weight is not None]
+                for b in blocks:
+                    b.clock[0] = 0.0
+                pm.pipeline.stats = PipelineStats()
+                dist.barrier()
+                start = time.perf_counter()
+                pm.train_step(batch)
+                wall = time.perf_counter() - start
+                opt.zero_grad()
+                busy = sum(b.clock[0] for b in blocks)
+                bubbles.append(1 - busy / wall)
+            mine = torch.tensor([min(bubbles)])
+            dist.all_reduce(mine)
+            peaks = [None] * pp
+            dist.all_gather_object(peaks, pm.pipeline.stats.peak_alive)
+            virtual = pm.pipeline.layout.virtual
+            rows.append((schedule, pp, m, virtual, float(mine) / pp, (pp - 1) / (virtual * m + pp - 1),
+                         {s: n for p in peaks for s, n in p.items()}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ms", type=float, default=4.0, help="milliseconds per block for each of F, B-input, B-weight")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps (the best is kept)")
+    args = parser.parse_args()
+    print(f"pipeline schedules: {args.blocks} blocks, {args.ms} ms per block for forward, input-grad and weight-grad; "
+          "bubble = 1 - compute time / step time, mean over ranks (best of steps)")
+    print(f"{'schedule':<18} {'p':>2} {'m':>2} {'v':>2} {'bubble':>8} {'theory':>8}   peak microbatches alive per stage")
+    for pp in (2, 4):
+        for schedule, p, m, v, bubble, theory, peaks in sw.testing.run_on_ranks(_bench, pp, args, timeout=1800)[0]:
+            note = "  (theory: interleaved 1F1B; zero-bubble aims lower)" if schedule == "zero-bubble" else ""
+            alive = " ".join(str(peaks[s]) for s in sorted(peaks))
+            print(f"{schedule:<18} {p:>2} {m:>2} {v:>2} {bubble:>8.3f} {theory:>8.3f}   {alive}{note}")
+
+
+if __name__ == "__main__":
+    main()
