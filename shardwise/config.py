@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from .errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -39,6 +41,9 @@ class ParallelConfig:
     sequence_parallel: shard norms and dropout along the sequence inside tp groups.
     bucket_mb: capacity of one gradient-synchronization bucket in MiB.
     timeout_s: seconds after which a collective fails instead of waiting on a dead peer.
+    param_dtype: compute and parameter dtype (e.g. torch.bfloat16); the optimizer then keeps
+        float32 master weights. None: leave the module as it is.
+    reduce_dtype: dtype gradients are accumulated and reduced in; None: param_dtype.
     """
 
     dp: int | None = None
@@ -51,6 +56,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     bucket_mb: float = 25.0
     timeout_s: float = 600.0
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.dp is not None:
@@ -69,6 +76,10 @@ class ParallelConfig:
             raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, e.g. 25")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ConfigError(f"{name}={value!r} must be a floating torch dtype such as torch.bfloat16, or None")
 
     @property
     def model_parallel_size(self) -> int:

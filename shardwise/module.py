@@ -11,6 +11,8 @@ original module's keys.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -29,15 +31,17 @@ from .deferred import is_deferred, materializer
 from .errors import CheckpointError, ConfigError, ModelError, PlanError
 from .parallel.collectives import all_gather_single
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
+from .parallel.fsdp import ParameterShards
+from .parallel.zero import MasterWeights
 from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
                               tensor_parallel_rules)
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
-from .plan.stages import INTERLEAVED, StageLayout, layout_stages
+from .plan.stages import INTERLEAVED, StageLayout, candidate_units, layout_stages
 from .topology import Topology, init_distributed
 
 # Degrees this build's executors run; later layouts lift these limits.
-_SUPPORTED = {"cp": 1, "zero": 0}
+_SUPPORTED = {"cp": 1}
 
 
 class ParallelModule(nn.Module):
@@ -59,6 +63,9 @@ class ParallelModule(nn.Module):
         self._state_layout = state_layout
         self._tied = tied or {}
         self._param_names = param_names or [n for n, _ in module.named_parameters()]
+        self.masters: MasterWeights | None = None  # set by parallelize
+        self.param_shards: ParameterShards | None = None  # ZeRO-3
+        self._optimizers: list = []  # those built by sw.build_optimizer, for memory reports
         self._replicated_grads_checked = tensor_parallel is None
 
     # running -------------------------------------------------------------------------
@@ -68,6 +75,12 @@ class ParallelModule(nn.Module):
         tp = self.tensor_parallel
         with loss_parallel() if tp is not None and tp.loss_parallel else contextlib.nullcontext():
             yield
+
+    def _prepare(self, batch: Any) -> Any:
+        """The batch on this rank's device; floating tensors in `param_dtype` under mixed precision."""
+        batch = to_device(batch, self.topology.device)
+        dtype = self.config.param_dtype
+        return batch if dtype is None else map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -99,9 +112,9 @@ class ParallelModule(nn.Module):
         Inside `no_sync()` gradients are only accumulated and the loss is this replica's.
         """
         if self.pipeline is not None:
-            return self._pipeline_train_step(to_device(batch, self.topology.device))
+            return self._pipeline_train_step(self._prepare(batch))
         parts = self.config.microbatches
-        microbatches = split_batch(to_device(batch, self.topology.device), parts)
+        microbatches = split_batch(self._prepare(batch), parts)
         syncing = self.gradients.sync_enabled
         losses = []
         with self.gradients.manual_finish():
@@ -117,8 +130,13 @@ class ParallelModule(nn.Module):
         if not syncing:
             return local_mean
         mean = self.gradients.finish()[0]
-        self._check_replicated_grads()
+        self._after_sync()
         return mean
+
+    def _after_sync(self) -> None:
+        if self.param_shards is not None:
+            self.param_shards.release_all()
+        self._check_replicated_grads()
 
     def _pipeline_train_step(self, batch: Any) -> torch.Tensor:
         syncing = self.gradients.sync_enabled
@@ -128,14 +146,14 @@ class ParallelModule(nn.Module):
             return loss
         self.gradients.stage_scalars(loss)
         mean = self.gradients.finish()[0]
-        self._check_replicated_grads()
+        self._after_sync()
         return mean
 
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
         """The module's outputs for `batch`, without gradients, on every rank; sharded outputs
         gathered whole. With pp > 1: the last stage's outputs."""
-        batch = to_device(batch, self.topology.device)
+        batch = self._prepare(batch)
         with self._compute():
             if self.pipeline is not None:
                 return self.pipeline.forward_pass(batch)[0]
@@ -151,7 +169,7 @@ class ParallelModule(nn.Module):
     def finish_gradient_sync(self) -> None:
         """Complete any pending gradient synchronization (the optimizer calls this)."""
         self.gradients.finish()
-        self._check_replicated_grads()
+        self._after_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (to None by default), keeping the gradient buckets consistent."""
@@ -180,46 +198,31 @@ class ParallelModule(nn.Module):
                 "under sequence parallelism) so their partial gradients are summed over tp"
             )
 
-    def gradient_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of all gradients as one vector, as one process would compute it: every
-        shard (tp), stage (pp) and tied copy counted once. Same value on every rank."""
-        tp = self.tensor_parallel
-        first_holder = {name: ranks[0] for name, ranks in self._tied.items()}
-        grads = []
-        for name, param in self.module.named_parameters():
-            if param.grad is None or first_holder.get(name, self.topology.pp_rank) != self.topology.pp_rank:
-                continue  # a tied copy counted on its first pipeline rank
-            if tp is not None and not is_sharded(param) and self.topology.tp_rank != 0:
-                continue  # replicated over tp: counted on tp rank 0
-            grads.append(local(param.grad).detach())
-        inf = norm_type == float("inf")
-        device = self.topology.device
-        if inf:
-            total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-        else:
-            total = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
-        group_dims = [d for d in ("pp", "tp") if self.topology.sizes[d] > 1]
-        if group_dims:
-            total = total.reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                            group=self.topology.group(*group_dims))
-            total = total[0]
-        return total if inf else total ** (1.0 / norm_type)
-
     # state dicts ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A plain state dict with the original module's keys and full tensors, on every rank.
 
         Collective when parameters are sharded or pipelined: every rank must call it.
         """
-        own = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+        with self._whole():
+            own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in self.module.state_dict().items()}
         return self._gather_stages(own, list(self._state_layout or own))
+
+    def _whole(self) -> contextlib.AbstractContextManager:
+        """Parameters whole inside the block (ZeRO-3 gathers them; otherwise nothing to do)."""
+        return self.param_shards.whole() if self.param_shards is not None else contextlib.nullcontext()
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient, whole, under its original name, as one process would
         hold it; parameters without a gradient are absent. Collective, like `full_state_dict`."""
-        own = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach()
-               for n, p in self.module.named_parameters() if p.grad is not None}
+        reduced = self.gradients.full_grads() if self.config.zero else {}  # ZeRO: whole grads from the shards
+        own = {}
+        for name, param in self.module.named_parameters():
+            grad = reduced.get(id(param), None if param.grad is None else local(param.grad))
+            if grad is not None:
+                if isinstance(param, DTensor):
+                    grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False).full_tensor()
+                own[name] = grad.detach()
         return self._gather_stages(own, [n for n in self._param_names if n in own or self.pipeline is not None])
 
     def _gather_stages(self, own: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
@@ -256,14 +259,36 @@ class ParallelModule(nn.Module):
                     f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)} "
                     f"but the model's is {expected[key][0]}"
                 )
-        for key in own.keys() & state_dict.keys():  # entries of this rank's stages
-            target, value = own[key], state_dict[key]
-            if isinstance(target, DTensor):
-                mesh = target.device_mesh
-                value = shard_of(value, target.placements[0], mesh.get_local_rank(), mesh.size())
-            local(target).copy_(value)
+        with self._whole():
+            for key in own.keys() & state_dict.keys():  # entries of this rank's stages
+                target, value = own[key], state_dict[key]
+                if isinstance(target, DTensor):
+                    mesh = target.device_mesh
+                    value = shard_of(value, target.placements[0], mesh.get_local_rank(), mesh.size())
+                local(target).copy_(value)
+        self.masters.reload()
 
     # reporting -----------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now: parameters, gradients, and the optimizer state (of the
+        optimizers built with `sw.build_optimizer`, master weights included)."""
+        def storage_bytes(tensors) -> int:
+            seen = {}
+            for t in tensors:
+                if t is not None and t.numel():
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+            return sum(seen.values())
+
+        params = [local(p) for p in self.module.parameters()]
+        params += [getattr(b, "param_shard", None) for b in self.gradients.buckets]
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        grads += [b.buffer for b in self.gradients.buckets] + [b.shard for b in self.gradients.buckets]
+        state = [v for opt in self._optimizers for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),
+                "optimizer": storage_bytes(state) + self.masters.state_bytes()}
+
     def summary(self) -> str:
         """Layout, per-rank parameter bytes and communication per step, as text."""
         params = list(self.module.parameters())
@@ -306,6 +331,9 @@ class ParallelModule(nn.Module):
             lines += [f"              {line}" for line in grads.describe()]
         else:
             lines.append("  gradients   one replica: plain autograd gradients, nothing to average")
+        memory = self.memory()
+        lines.append("  memory      " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in memory.items())
+                     + (f" (ZeRO-{self.config.zero})" if self.config.zero else ""))
         return "\n".join(lines)
 
 
@@ -350,12 +378,16 @@ def parallelize(
     for name, limit in _SUPPORTED.items():
         if getattr(config, name) > limit:
             raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
+    if config.zero and config.dp is not None and config.dp * config.cp == 1:
+        config = _without_zero(config)
     chosen = as_plan(plan, config)
     resolved = resolve_plan(chosen, module, config.tp)  # all plan errors before any collective
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     init_distributed(timeout=timedelta(seconds=config.timeout_s))
+    if config.zero and dist.get_world_size() // config.model_parallel_size * config.cp == 1:
+        config = _without_zero(config)
     topology = Topology(config)
 
     state_layout, tied = None, {}
@@ -375,8 +407,28 @@ def parallelize(
         pmodel.pipeline = Pipeline(module, topology, layout, config.schedule, config.microbatches, pmodel._run)
         with pmodel._compute():
             pmodel.pipeline.setup(to_device(sample, topology.device))
-    pmodel.gradients = apply_data_parallel(module, topology, topology.config, tensor_parallel, tied)
+    config = topology.config
+    fp32_values = {}
+    if config.param_dtype is not None:  # float32 masters from the values before casting
+        fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters()
+                       if p.requires_grad and p.dtype != torch.float32 or p.requires_grad and config.param_dtype != torch.float32}
+        module.to(config.param_dtype)
+    units = [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())] \
+        if config.zero == 3 else None
+    pmodel.gradients = apply_data_parallel(module, topology, config, tensor_parallel, tied, units)
+    if config.zero == 3:
+        pmodel.param_shards = ParameterShards(module, pmodel.gradients, units)
+    first_holder = {name: ranks[0] == topology.pp_rank for name, ranks in tied.items()}
+    tied_first = {id(p): first_holder[n] for n, p in module.named_parameters(remove_duplicate=False) if n in first_holder}
+    pmodel.masters = MasterWeights(module, pmodel.gradients, topology, config.zero, fp32_values, tied_first)
     return pmodel
+
+
+def _without_zero(config: ParallelConfig) -> ParallelConfig:
+    """ZeRO shards over data-parallel replicas; with one replica there is nothing to shard."""
+    warnings.warn(f"zero={config.zero} with one data-parallel replica has nothing to shard; running as zero=0",
+                  stacklevel=3)
+    return dataclasses.replace(config, zero=0)
 
 
 def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> StageLayout:

@@ -15,31 +15,56 @@ from torch import nn
 
 from .errors import ShardwiseError
 from .module import ParallelModule
-from .parallel.tensor import local
 
 
 class ParallelOptimizer:
-    """Mixed in before the user's optimizer class; `_pmodel` is the module it updates."""
+    """Mixed in before the user's optimizer class; `_pmodel` is the module it updates.
+
+    The optimizer's tensors are `pmodel.masters` pieces: the parameters themselves, this
+    rank's shard of them (ZeRO), or float32 master copies (mixed precision).
+    """
 
     _pmodel: ParallelModule
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self._pmodel.finish_gradient_sync()
-        return super().step(closure)  # type: ignore[misc]
+        self._pmodel.masters.load_grads()
+        result = super().step(closure)  # type: ignore[misc]
+        self._pmodel.masters.write_back()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pmodel.zero_grad(set_to_none)
+        self._pmodel.masters.zero_grad()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm."""
+        """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm.
+
+        The norm is that of all gradients as one vector, every shard and stage counted once:
+        what `torch.nn.utils.clip_grad_norm_` returns on one process.
+        """
         self._pmodel.finish_gradient_sync()
-        total = self._pmodel.gradient_norm(norm_type)
+        total = self._pmodel.masters.gradient_norm(norm_type)
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for group in self.param_groups:  # type: ignore[attr-defined]
-            for p in group["params"]:
-                if p.grad is not None:
-                    local(p.grad).mul_(coefficient.to(local(p.grad).dtype))
+        for grad in self._pmodel.masters.grads():
+            grad.mul_(coefficient.to(grad.dtype))
         return total
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every (synchronized) gradient by `factor`."""
+        self._pmodel.finish_gradient_sync()
+        for grad in self._pmodel.masters.grads():
+            grad.mul_(factor)
+
+    def register_reduce_hook(self, pre: Callable[[torch.Tensor], None] | None = None,
+                             post: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Call `pre(grads)` on each gradient bucket before its collective and `post(grads)` on
+        the reduced result after it (the whole bucket, or this rank's shard under ZeRO); both
+        may modify the tensor in place, e.g. scale down before and back up after."""
+        if pre is not None:
+            self._pmodel.gradients.pre_hooks.append(pre)
+        if post is not None:
+            self._pmodel.gradients.post_hooks.append(post)
 
 
 def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch.optim.Optimizer],
@@ -61,7 +86,9 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
     else:
         params = list(params)
         _check_params_belong(pmodel, params)
-    optimizer = optimizer_class(params, **kwargs)
+    groups = [g if isinstance(g, dict) else {"params": [g]} for g in params] if params and isinstance(params[0], dict) \
+        else [{"params": list(params)}]
+    optimizer = optimizer_class(pmodel.masters.param_groups(groups), **kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ShardwiseError(
             f"{getattr(optimizer_class, '__name__', optimizer_class)!r} returned {type(optimizer).__name__}, "
@@ -70,6 +97,7 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
     base = type(optimizer)
     optimizer.__class__ = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
     optimizer._pmodel = pmodel
+    pmodel._optimizers.append(optimizer)
     return optimizer
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..comm import CommStats, broadcast_tensors, coalesce, wait
+from ..comm import CommStats, all_gather_single, broadcast_tensors, coalesce, reduce_scatter_single, wait
 from ..config import ParallelConfig
 from ..errors import ShardwiseError
 from ..topology import Topology
@@ -63,6 +63,7 @@ class ReduceGroup:
     scale: float
     label: str
     uniform: bool = True
+    spans_tp: bool = False  # its members include every tensor-parallel rank of a parameter
 
     @property
     def size(self) -> int:
@@ -78,24 +79,65 @@ def _as_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
 
 
 class Bucket:
-    """A flat gradient buffer for a run of parameters (plus `tail` spare slots)."""
+    """A flat gradient buffer for a run of parameters, reduced by one collective.
 
-    def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, tail: int = 0):
+    Under ZeRO (`sharded`) the buffer is padded to a multiple of the group size and this
+    rank owns one contiguous shard of it: stage 1 reduce-scatters in place and keeps the
+    buffer; stage 2+ reduce-scatters into a separate shard and frees the buffer until the
+    next backward. `tail` spare slots (stage 0 only) carry the unused mask and the loss.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, dtype: torch.dtype,
+                 sharded: bool, keep_buffer: bool, tail: int = 0):
         self.index = index
         self.params = params
         self.reduce = reduce
-        shards = [local(p) for p in params]
-        sizes = [t.numel() for t in shards]
-        self.buffer = torch.zeros(sum(sizes) + tail, dtype=shards[0].dtype, device=shards[0].device)
-        pieces = self.buffer.split(sizes + [tail])
-        self.views = [piece.view_as(t) for t, piece in zip(shards, pieces)]
-        self.tail = pieces[-1]
+        self.dtype = dtype
+        self.device = local(params[0]).device
+        self.shapes = [local(p).shape for p in params]
+        self.sizes = [local(p).numel() for p in params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
+        numel = sum(self.sizes)
+        ways = reduce.size if sharded else 1
+        self.padded = -(-numel // ways) * ways
+        self.shard_size = self.padded // ways
+        self.shard_start = (dist.get_rank(reduce.group) if sharded else 0) * self.shard_size
+        self.sharded = sharded
+        self.tail_size = tail
+        self.main_grad = any(local(p).dtype != dtype for p in params)  # grads cast into the buffer
+        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device) if sharded and not keep_buffer else None
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.tail = torch.empty(0)
+        if keep_buffer:
+            self.allocate()
         self.pending = len(params)
         self.work: dist.Work | None = None
 
+    def allocate(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.padded + self.tail_size, dtype=self.dtype, device=self.device)
+            self.views = [self.buffer[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self.sizes, self.shapes)]
+            self.tail = self.buffer[self.padded:]
+
+    def release(self) -> None:
+        self.buffer, self.views = None, []
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient region of the buffer (padding included, tail excluded)."""
+        return self.buffer[: self.padded]
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced shard (ZeRO): in the buffer for stage 1, separate for 2+."""
+        if self.shard is not None:
+            return self.shard
+        return self.buffer[self.shard_start: self.shard_start + self.shard_size]
+
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return (self.padded + self.tail_size) * torch.empty((), dtype=self.dtype).element_size()
 
 
 class GradientBuckets:
@@ -106,24 +148,37 @@ class GradientBuckets:
     """
 
     def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int,
-                 replicas: ReduceGroup):
+                 replicas: ReduceGroup, zero: int = 0, reduce_dtype: torch.dtype | None = None,
+                 unit_of: dict[int, int] | None = None):
         if not params:
             raise ShardwiseError("no trainable parameters to synchronize")
         self.params = params
         self.replicas = replicas  # where the unused-parameter mask and step scalars are averaged
+        self.zero = zero
         self.stats = CommStats()
+        self.pre_hooks: list = []  # called on each bucket's gradients before its collective
+        self.post_hooks: list = []  # called on the reduced gradients (buffer, or shard under ZeRO) after it
+        self.unused: set[int] = set()  # ids of parameters no replica produced a gradient for last sync
+
+        def dtype(p: nn.Parameter) -> torch.dtype:
+            return reduce_dtype or local(p).dtype
+
         # A parameter whose group is one rank has nothing to reduce: plain autograd gradient.
         synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if r.size > 1]
-        runs = list(coalesce(synced, bucket_bytes, key=lambda pr: (local(pr[0]).dtype, local(pr[0]).device, pr[1]),
+        unit_of = unit_of or {}  # ZeRO-3: a bucket never spans two units, so units gather their own
+        runs = list(coalesce(synced, bucket_bytes,
+                             key=lambda pr: (dtype(pr[0]), local(pr[0]).device, pr[1], unit_of.get(id(pr[0]))),
                              nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
         tail = len(params) + SCALAR_SLOTS
-        self._tail_in_bucket = bool(runs) and local(runs[-1][0][0]).dtype == torch.float32 and runs[-1][0][1].uniform
+        self._tail_in_bucket = (bool(runs) and zero == 0 and dtype(runs[-1][0][0]) == torch.float32
+                                and runs[-1][0][1].uniform)
         self.buckets = [
-            Bucket(i, [p for p, _ in run], run[0][1], tail if self._tail_in_bucket and i == len(runs) - 1 else 0)
+            Bucket(i, [p for p, _ in run], run[0][1], dtype(run[0][0]), sharded=zero > 0, keep_buffer=zero < 2,
+                   tail=tail if self._tail_in_bucket and i == len(runs) - 1 else 0)
             for i, run in enumerate(runs)
         ]
         self._index = {p: i for i, p in enumerate(params)}
-        self._slot = {p: (b, view) for b in self.buckets for p, view in zip(b.params, b.views)}
+        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.sync_enabled = True
         self.auto_finish = True  # finish at the end of each synchronized backward
         self._reset_window()
@@ -147,14 +202,26 @@ class GradientBuckets:
             bucket.work = None
 
     # backward ----------------------------------------------------------------------
+    def _absorb(self, param: nn.Parameter, bucket: Bucket, i: int) -> None:
+        """Move `param.grad` (if any) into its bucket slot: the first gradient of a window is
+        copied, later ones were accumulated in place (or are added, for cast "main" grads)."""
+        index = self._index[param]
+        view = bucket.views[i]
+        if param.grad is not None:
+            grad = local(param.grad)
+            if grad.data_ptr() != view.data_ptr():
+                view.add_(grad) if self._used[index] and bucket.main_grad else view.copy_(grad)
+            self._used[index] = True
+        elif not self._used[index]:
+            view.zero_()  # no local gradient (yet): contributes zeros; finish() decides
+        param.grad = None if bucket.main_grad else _as_grad(param, view)
+
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
-        bucket, view = self._slot[param]
-        grad = local(param.grad)
-        if grad.data_ptr() != view.data_ptr():  # first gradient since zero_grad: move it in
-            view.copy_(grad)
-            param.grad = _as_grad(param, view)
-        self._used[index] = self._dirty = True
+        bucket, i = self._slot[param]
+        bucket.allocate()
+        self._absorb(param, bucket, i)
+        self._dirty = True
         if not self.sync_enabled:
             return
         if self._ready[index]:
@@ -185,28 +252,30 @@ class GradientBuckets:
 
     def _side_values(self, size: int) -> torch.Tensor:
         """Mask and scalars, pre-divided by the group size so the sum is their mean."""
-        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=self.buckets[-1].buffer.device)
+        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=self.buckets[-1].device)
         side[: len(self.params)] = torch.tensor(self._used, dtype=torch.float32)
         if self._scalars is not None:
             side[len(self.params): len(self.params) + self._scalars.numel()] = self._scalars
         return side.div_(size)
 
     def _launch(self, bucket: Bucket) -> None:
+        bucket.allocate()
         if bucket.pending:  # parameters no hook reported in this backward
-            for param, view in zip(bucket.params, bucket.views):
-                if param.grad is None:
-                    view.zero_()  # a peer's gradient may still arrive; finish() decides
-                else:  # a gradient written directly (e.g. a pipeline's separate weight-gradient pass)
-                    self._used[self._index[param]] = True
-                    if local(param.grad).data_ptr() != view.data_ptr():
-                        view.copy_(local(param.grad))
-                param.grad = _as_grad(param, view)
+            for i, param in enumerate(bucket.params):
+                if not self._ready[self._index[param]]:
+                    self._absorb(param, bucket, i)
         reduce = bucket.reduce
+        for hook in self.pre_hooks:
+            hook(bucket.grads)
         bucket.buffer.mul_(reduce.scale)
         if bucket.tail.numel():  # the last bucket: mask and scalars ride along
             bucket.tail.copy_(self._side_values(reduce.size))
-        self.stats.record("all_reduce", bucket.buffer)
-        bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
+        if bucket.sharded:
+            self.stats.record("reduce_scatter", bucket.grads)
+            bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
+        else:
+            self.stats.record("all_reduce", bucket.buffer)
+            bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
         if bucket is self.buckets[-1] and not self._tail_in_bucket and self.replicas.size > 1:
             self._side = self._side_values(self.replicas.size)
             self.stats.record("all_reduce", self._side)
@@ -227,21 +296,43 @@ class GradientBuckets:
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            what = f"all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)"
-            wait(bucket.work, what, bucket.reduce.group)
+            op = "reduce-scatter" if bucket.sharded else "all-reduce"
+            wait(bucket.work, f"{op} of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", bucket.reduce.group)
+            for hook in self.post_hooks:
+                hook(bucket.grad_shard if bucket.sharded else bucket.grads)
         wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.replicas.group)
         n = len(self.params)
         side = self.buckets[-1].tail if self._tail_in_bucket else self._side
+        self.unused = set()
         if not all(self._used[self._index[p]] for p in self._slot):
             used_anywhere = self._used if side is None else side[:n].tolist()
-            for param in self._slot:  # no replica produced a gradient: as on one process, none
-                if not used_anywhere[self._index[param]]:
-                    param.grad = None
+            self.unused = {id(p) for p in self._slot if not used_anywhere[self._index[p]]}
+        for param, (bucket, _) in self._slot.items():
+            if bucket.sharded or id(param) in self.unused:  # ZeRO: gradients live in the shards
+                param.grad = None
+        if self.zero >= 2:
+            for bucket in self.buckets:
+                bucket.release()
         scalars = self._scalars
         if scalars is not None and side is not None:
             scalars = side[n: n + scalars.numel()].clone()
         self._reset_window()
         return scalars
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """Parameter id -> its whole reduced gradient (local shard of a DTensor), gathered from
+        the ZeRO shards; collective over each bucket's group. Unused parameters are absent."""
+        grads = {}
+        for bucket in self.buckets:
+            if bucket.sharded:
+                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+                all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
+            else:
+                full = bucket.grads
+            for param, offset, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes, bucket.shapes):
+                if id(param) not in self.unused:
+                    grads[id(param)] = full[offset: offset + size].view(shape)
+        return grads
 
     # controls ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -275,9 +366,11 @@ class GradientBuckets:
                 param.grad.zero_()
         if not set_to_none:
             for bucket in self.buckets:
-                bucket.buffer.zero_()
+                if bucket.buffer is not None:
+                    bucket.buffer.zero_()
                 for param, view in zip(bucket.params, bucket.views):
-                    param.grad = _as_grad(param, view)
+                    if not bucket.main_grad and not bucket.sharded:
+                        param.grad = _as_grad(param, view)
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -286,15 +379,17 @@ class GradientBuckets:
     def describe(self) -> list[str]:
         return [
             f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB "
-            f"{str(b.buffer.dtype).replace('torch.', '')} over {b.reduce.label}"
-            + (f" (incl. {b.tail.numel()}-slot mask/loss tail)" if b.tail.numel() else "")
+            f"{str(b.dtype).replace('torch.', '')} over {b.reduce.label}"
+            + (f", {'reduce-scattered' if b.sharded else ''} shard {b.shard_size} elements" if b.sharded else "")
+            + (f" (incl. {b.tail_size}-slot mask/loss tail)" if b.tail_size else "")
             for b in self.buckets
         ]
 
 
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
                         tensor_parallel: TensorParallel | None = None,
-                        tied: dict[str, list[int]] | None = None) -> GradientBuckets:
+                        tied: dict[str, list[int]] | None = None,
+                        units: list[str] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
@@ -304,7 +399,7 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
     """
     dp_dims = ("dp", "cp")
     scale = 1.0 / topology.size(*dp_dims)
-    dp = ReduceGroup(topology.group(*dp_dims), scale, "dp")
+    dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", spans_tp=topology.sizes["tp"] == 1)
     partial = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
     tied = tied or {}
     tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
@@ -312,15 +407,23 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
     def reduce_group(param: nn.Parameter) -> ReduceGroup:
         dims = dp_dims + (("tp",) if id(param) in partial else ())
         stages = tied_ids.get(id(param))
+        spans_tp = "tp" in dims or topology.sizes["tp"] == 1
         if stages is None:
-            return ReduceGroup(topology.group(*dims), scale, "dp+tp (partial over tp)") if "tp" in dims else dp
+            return ReduceGroup(topology.group(*dims), scale, "dp+tp (partial over tp)", spans_tp=True) \
+                if "tp" in dims else dp
         ranks = [r for pp_rank in stages for r in topology.ranks_at(dims, pp=pp_rank)]
-        return ReduceGroup(topology.group_of(ranks), scale, f"dp + pipeline ranks {stages} (tied)", uniform=False)
+        return ReduceGroup(topology.group_of(ranks), scale, f"dp + pipeline ranks {stages} (tied)", uniform=False,
+                           spans_tp=spans_tp)
 
     params = [p for p in module.parameters() if p.requires_grad]
     groups = [reduce_group(p) for p in params]
     bucket_bytes = int(config.bucket_mb * MiB)
-    buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp)
+    unit_of: dict[int, int] = {}
+    for i, path in enumerate(units or []):
+        for param in module.get_submodule(path).parameters():
+            unit_of.setdefault(id(param), i)
+    buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=config.zero,
+                              reduce_dtype=config.reduce_dtype or config.param_dtype, unit_of=unit_of)
     state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
     for group in dict.fromkeys(g for p, g in zip(params, groups) if id(p) in tied_ids):  # tied copies start equal

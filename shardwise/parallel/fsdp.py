@@ -1,0 +1,152 @@
+"""ZeRO-3: parameters sharded too, gathered whole per unit just before use and freed after.
+
+Buckets are aligned with units (the modules around the main layer list, as for pipeline
+stages), so a unit's parameters live in its own flat buffers. Between uses a buffer keeps
+only this rank's shard; its full storage is released (resized to zero, so views and tensors
+autograd saved stay valid) and re-filled by an all-gather:
+- forward: before a unit runs (the next unit in forward order is prefetched), released
+  after it;
+- backward: when the gradient of a unit's output arrives (the unit before it is
+  prefetched), released when the gradient of its input arrives (its backward is done), or
+  at the end of the synchronization for a unit whose input needs none (an embedding).
+
+A bucket shared by pipeline stages (a tied input embedding and output head) stays whole:
+each stage would gather it at a different point of the schedule. Its gradients are still
+reduce-scattered and its shard updated at the synchronization every rank reaches together.
+
+Why not FSDP2's `fully_shard`: shardwise's tensor-parallel modules compute on the local
+shards of DTensor parameters and its pipeline stages skip modules by replacing their
+forward; its gradient buckets must also sum sequence-parallel partial gradients over tp and
+tied embeddings over pipeline ranks in the same pass. Sharding the buckets those executors
+already use keeps one gradient path for every ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..comm import all_gather_single, wait
+from .data import Bucket, GradientBuckets
+from .zero import _flatten_params
+
+
+class ParameterShards:
+    """Gathers and frees the parameter buffers of ZeRO-3 around each unit's use."""
+
+    def __init__(self, module: nn.Module, gradients: GradientBuckets, units: list[str]):
+        self.gradients = gradients
+        self.stats = gradients.stats
+        self._works: dict[int, Any] = {}
+        self._gathered: set[int] = set()
+        self._order: list[str] = []  # forward order of units, learned on the first forward
+        self._needed: dict[str, list[Bucket]] = {}
+        slot = {id(p): b for b in gradients.buckets for p in b.params}
+        for bucket in gradients.buckets:
+            bucket.param_buffer = _flatten_params(bucket)
+            start = bucket.shard_start
+            bucket.param_shard = bucket.param_buffer[start: start + bucket.shard_size].clone()
+        units_of_bucket: dict[int, int] = {}
+        for path in units:
+            buckets = list({id(slot[id(p)]): slot[id(p)] for p in module.get_submodule(path).parameters()
+                            if id(p) in slot}.values())
+            if buckets:
+                self._needed[path] = buckets
+                for b in buckets:
+                    units_of_bucket[id(b)] = units_of_bucket.get(id(b), 0) + 1
+                unit = module.get_submodule(path)
+                unit.register_forward_pre_hook(lambda m, args, kwargs, path=path: self._before_forward(path, (args, kwargs)),
+                                               with_kwargs=True)
+                unit.register_forward_hook(lambda m, args, out, path=path: self._after_forward(path, out))
+        # Whole, always: buckets outside any unit, and those shared by pipeline stages (a tied
+        # embedding): their stages use them at different times, so gathers would not line up.
+        self._kept = [b for b in gradients.buckets if id(b) not in units_of_bucket or not b.reduce.uniform]
+        self.release_all()
+
+    # gather and release -------------------------------------------------------------------
+    def _gather(self, bucket: Bucket, wait_now: bool) -> None:
+        if bucket in self._kept:
+            return
+        if id(bucket) not in self._gathered and id(bucket) not in self._works:
+            buffer = bucket.param_buffer
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            self.stats.record("all_gather", buffer)
+            self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
+                                                        async_op=True)
+        if wait_now and id(bucket) in self._works:
+            wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group)
+            self._gathered.add(id(bucket))
+
+    def _release(self, bucket: Bucket) -> None:
+        if bucket in self._kept:
+            return
+        if id(bucket) in self._works:  # a prefetch nobody used: finish it before dropping the storage
+            self._gather(bucket, wait_now=True)
+        bucket.param_buffer.untyped_storage().resize_(0)
+        self._gathered.discard(id(bucket))
+
+    def _neighbour(self, path: str, step: int) -> str | None:
+        if path not in self._order:
+            return None
+        i = self._order.index(path) + step
+        return self._order[i] if 0 <= i < len(self._order) else None
+
+    # hooks --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every parameter whole inside the block (collective); writes to them are kept."""
+        for bucket in self.gradients.buckets:
+            self._gather(bucket, wait_now=True)
+        try:
+            yield
+        finally:
+            for bucket in self.gradients.buckets:
+                start = bucket.shard_start
+                bucket.param_shard.copy_(bucket.param_buffer[start: start + bucket.shard_size])
+            self.release_all()
+
+    def release_all(self) -> None:
+        """Free every unit's full buffers (after a synchronization: nothing needs them)."""
+        for bucket in self.gradients.buckets:
+            self._release(bucket)
+
+    def _before_forward(self, path: str, inputs: Any) -> None:
+        if path not in self._order:
+            self._order.append(path)
+        if torch.is_grad_enabled():  # its backward is done when its input's gradient arrives
+            for tensor in _tensors(inputs):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, path=path: self._after_backward(path))
+        for bucket in self._needed[path]:
+            self._gather(bucket, wait_now=True)
+        following = self._neighbour(path, +1)
+        for bucket in self._needed.get(following, []) if following else []:
+            self._gather(bucket, wait_now=False)  # prefetch
+
+    def _after_forward(self, path: str, output: Any) -> None:
+        for bucket in self._needed[path]:
+            self._release(bucket)
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                tensors[0].register_hook(lambda grad, path=path: self._before_backward(path))
+
+    def _before_backward(self, path: str) -> None:
+        for bucket in self._needed[path]:
+            self._gather(bucket, wait_now=True)
+        previous = self._neighbour(path, -1)
+        for bucket in self._needed.get(previous, []) if previous else []:
+            self._gather(bucket, wait_now=False)  # prefetch
+
+    def _after_backward(self, path: str) -> None:
+        for bucket in self._needed[path]:
+            self._release(bucket)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
