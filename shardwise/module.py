@@ -215,7 +215,7 @@ class ParallelModule(nn.Module):
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient, whole, under its original name, as one process would
         hold it; parameters without a gradient are absent. Collective, like `full_state_dict`."""
-        reduced = self.gradients.full_grads() if self.config.zero else {}  # ZeRO: whole grads from the shards
+        reduced = self.gradients.full_grads()  # what the buckets hold: whole (all-gathered under ZeRO)
         own = {}
         for name, param in self.module.named_parameters():
             grad = reduced.get(id(param), None if param.grad is None else local(param.grad))
