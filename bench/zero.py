@@ -1,0 +1,103 @@
+"""ZeRO: shardwise zero=3 vs PyTorch FSDP2 throughput, and collective volume per ZeRO stage.
+
+    python bench/zero.py [--ranks 4] [--layers 4] [--d-model 256] [--rounds 5]
+
+Both shard the same GPT over the same ranks (FSDP2: `fully_shard` on every block and on the
+root); rounds alternate between them. Then one step of each shardwise ZeRO stage is counted:
+elements moved by collectives per step in units of the parameter count Psi, next to the
+ZeRO paper's volumes: 2 Psi for stages 1 and 2 (reduce-scatter + all-gather, the same as an
+all-reduce), 3 Psi for stage 3 (one more all-gather, in backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import shardwise as sw
+from common import print_times, timed_rounds
+from shardwise.models import GPT, GPTConfig
+
+
+def _model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
+
+
+def _bench(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+
+    ours = sw.parallelize(_model(args), sw.ParallelConfig(zero=3))
+    ours_opt = sw.build_optimizer(ours, torch.optim.AdamW, lr=1e-4)
+    fsdp = _model(args)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    for layer in fsdp.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
+
+    def ours_step(batch):
+        ours.train_step(batch)
+        ours_opt.step()
+        ours_opt.zero_grad()
+
+    def fsdp_step(batch):
+        fsdp(batch).backward()
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
+
+    times = timed_rounds({"shardwise zero=3": ours_step, "torch FSDP2": fsdp_step}, batches, args.rounds)
+
+    psi = sum(p.numel() for p in _model(args).parameters())
+    volumes = {}
+    for zero in (0, 1, 2, 3):
+        pm = sw.parallelize(_model(args), sw.ParallelConfig(zero=zero))
+        opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+        pm.train_step(batches[0])  # the first step learns the unit order (for prefetch)
+        opt.step()
+        opt.zero_grad()
+        pm.gradients.stats.reset()
+        pm.train_step(batches[0])
+        opt.step()
+        opt.zero_grad()
+        stats = pm.gradients.stats
+        elements = {op: n // 4 for op, n in stats.bytes.items()}  # fp32
+        volumes[zero] = (dict(stats.calls), elements, pm.memory())
+    return {"times": times, "volumes": volumes, "psi": psi, "world": world}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    args = parser.parse_args()
+
+    res = sw.testing.run_on_ranks(_bench, args.ranks, args, timeout=3600)[0]
+    psi, n = res["psi"], res["world"]
+    print(f"ZeRO: GPT {psi / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), {n} gloo ranks, "
+          f"{args.batch} samples/rank of {args.seq} tokens, AdamW fp32")
+    rate = print_times(res["times"], args.batch * n)
+    print(f"ratio shardwise zero=3 / FSDP2 samples/s: {rate['shardwise zero=3'] / rate['torch FSDP2']:.3f}  (aim >= 1.0)")
+    print(f"\n{'stage':<6} {'collectives per step':<70} {'elements / Psi':>14} {'ZeRO volume':>12}   "
+          f"per-rank MiB: params / grads / optimizer")
+    theory = {0: "2 Psi (ring)", 1: "2 Psi", 2: "2 Psi", 3: "3 Psi"}
+    for zero, (calls, elements, memory) in res["volumes"].items():
+        moved = sum(e for op, e in elements.items() if op != "broadcast")
+        shown = ", ".join(f"{calls[op]} {op} ({elements[op] / psi:.3f} Psi)" for op in sorted(elements) if op != "broadcast")
+        mem = " / ".join(f"{memory[k] / 2**20:.2f}" for k in ("parameters", "gradients", "optimizer"))
+        note = "  (all-reduce: payload Psi, ring traffic 2 Psi)" if zero == 0 else ""
+        print(f"{zero:<6} {shown:<70} {moved / psi:>14.3f} {theory[zero]:>12}   {mem}{note}")
+
+
+if __name__ == "__main__":
+    main()
