@@ -1,6 +1,7 @@
 """shardwise: train a single-device torch.nn.Module across many devices, computing what it computes on one."""
 
 from . import plan, testing
+from .checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .deferred import deferred_init
 from .errors import (
@@ -38,7 +39,10 @@ __all__ = [
     "data_parallel_info",
     "deferred_init",
     "init_distributed",
+    "load_checkpoint",
+    "merge_checkpoint",
     "parallelize",
     "plan",
+    "save_checkpoint",
     "testing",
 ]

@@ -66,6 +66,10 @@ class ParallelModule(nn.Module):
         self.masters: MasterWeights | None = None  # set by parallelize
         self.param_shards: ParameterShards | None = None  # ZeRO-3
         self._optimizers: list = []  # those built by sw.build_optimizer, for memory reports
+        self.steps = 0  # train_step calls, saved in checkpoints
+        # parameter name (tied aliases included) -> its first name; state key -> whole shape
+        self._aliases: dict[str, str] = {n: n for n in self._param_names}
+        self._state_shapes: dict[str, tuple[int, ...]] = {}
         self._replicated_grads_checked = tensor_parallel is None
 
     # running -------------------------------------------------------------------------
@@ -111,6 +115,7 @@ class ParallelModule(nn.Module):
         batch on one process); returns the mean loss, detached, the same on every rank.
         Inside `no_sync()` gradients are only accumulated and the loss is this replica's.
         """
+        self.steps += 1
         if self.pipeline is not None:
             return self._pipeline_train_step(self._prepare(batch))
         parts = self.config.microbatches
@@ -392,6 +397,11 @@ def parallelize(
 
     state_layout, tied = None, {}
     param_names = [n for n, _ in module.named_parameters()]  # before pruning: the original names
+    first_name: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(param), name)
+    aliases = {name: first_name[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
+    state_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
     if layout is not None:
         tied = tied_across_ranks(module, layout)
         state_layout = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages only
@@ -403,6 +413,7 @@ def parallelize(
     module.to(topology.device)
     pmodel = ParallelModule(module, topology, chosen, resolved, tensor_parallel, None, None, state_layout, tied,
                             param_names)
+    pmodel._aliases, pmodel._state_shapes = aliases, state_shapes
     if layout is not None:
         pmodel.pipeline = Pipeline(module, topology, layout, config.schedule, config.microbatches, pmodel._run)
         with pmodel._compute():

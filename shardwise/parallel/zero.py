@@ -38,8 +38,10 @@ class Piece:
     master: torch.Tensor  # what the optimizer updates (a leaf tensor)
     grad: Callable[[], torch.Tensor | None]  # its gradient once synchronized
     write_back: Callable[[], None] | None  # copies the master into the model (None: master is the model)
-    counted: bool  # contributes to the global gradient norm on this rank (each element on one rank)
-    source: Callable[[], torch.Tensor] | None = None  # the model's values the master copies
+    counted: bool  # this rank is the one that owns these elements (norms, checkpoints count them once)
+    model: Callable[[], torch.Tensor]  # the model's own values for this range, flat
+    lo: int  # the range [lo, hi) of the parameter's local (tp) tensor, flattened, this piece covers
+    hi: int
 
 
 class MasterWeights:
@@ -75,15 +77,16 @@ class MasterWeights:
     # building --------------------------------------------------------------------------
     def _whole_piece(self, param, where, fp32: torch.Tensor | None, counted: bool) -> Piece:
         target = local(param)
+        whole = dict(model=lambda: local(param).reshape(-1), lo=0, hi=target.numel())
         if fp32 is None:  # the model's own parameter: nothing to copy
-            return Piece(param, param, lambda: param.grad, None, counted)
+            return Piece(param, param, lambda: param.grad, None, counted, **whole)
         master = fp32.detach().clone()
         if where is not None and where[0].main_grad:  # reduced into a float32 bucket view
             bucket, i = where
             grad = lambda: None if id(param) in self.gradients.unused or bucket.buffer is None else bucket.views[i]
         else:
             grad = lambda: None if param.grad is None else local(param.grad).float()
-        return Piece(param, master, grad, lambda: target.data.copy_(master), counted, source=lambda: target)
+        return Piece(param, master, grad, lambda: target.data.copy_(master), counted, **whole)
 
     def _shard_pieces(self, param, bucket: Bucket, i: int, fp32: torch.Tensor | None, counted: bool):
         start, end = bucket.shard_start, bucket.shard_start + bucket.shard_size
@@ -96,12 +99,12 @@ class MasterWeights:
         def grad(lo=lo, hi=hi):
             return None if id(param) in unused else bucket.grad_shard[lo - start: hi - start]
 
+        part = dict(model=lambda: _model_range(bucket, lo, hi), lo=lo - first, hi=hi - first)
         if fp32 is None:  # the optimizer updates the model's own shard in place
-            yield Piece(param, _model_range(bucket, lo, hi), grad, None, counted)
+            yield Piece(param, _model_range(bucket, lo, hi), grad, None, counted, **part)
         else:
             master = fp32.detach().reshape(-1)[lo - first: hi - first].clone()
-            part = lambda: _model_range(bucket, lo, hi)
-            yield Piece(param, master, grad, lambda: part().copy_(master), counted, source=part)
+            yield Piece(param, master, grad, lambda: part["model"]().copy_(master), counted, **part)
 
     def param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The user's parameter groups with each parameter replaced by its pieces."""
@@ -145,7 +148,7 @@ class MasterWeights:
         for pieces in self.pieces.values():
             for piece in pieces:
                 if piece.write_back is not None:
-                    piece.master.copy_(piece.source().reshape(piece.master.shape))
+                    piece.master.copy_(piece.model().reshape(piece.master.shape))
 
     def zero_grad(self) -> None:
         """Drop the masters' gradients (views of the reduced buckets); a master that is the

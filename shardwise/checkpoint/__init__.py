@@ -1,0 +1,299 @@
+"""Checkpoints: sharded save and resume, loading into any layout, merging to one file.
+
+`save_checkpoint` has every rank write only the regions it owns, once: the owner of an
+element is the rank that counts it in the global gradient norm (`Piece.counted`), so a
+tensor replicated over data-parallel ranks is written by one of them and ZeRO shards by the
+rank holding them. Regions are stored in global coordinates (`geometry.py`), which makes
+`load_checkpoint` independent of the saving run's layout: any dp/tp/pp/zero and world size
+reads the rectangles it needs. Model values, float32 master weights, optimizer state,
+buffers, step counters, random states, the plan and the config are saved; resuming with
+the same layout continues bit for bit. `merge_checkpoint` writes one plain state dict.
+
+Why not torch.distributed.checkpoint: it reshards DTensors, but ZeRO shards here are flat
+ranges of bucket buffers that cross parameter boundaries; describing them to DCP needs the
+deprecated ShardedTensor with a collective per parameter, or gathering optimizer state
+before saving, which defeats ZeRO's memory savings.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..errors import CheckpointError
+from ..parallel.tensor import local
+from ..topology import MESH_DIMS
+from .geometry import flat_rects, local_to_global, rect_shape, shift
+from .store import FORMAT, RankWriter, Reader, latest, publish
+
+__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint"]
+
+
+def _regions(pmodel, piece) -> list[tuple]:
+    """(global rect, start, stop, local rect, sub-rect) for each part of a piece."""
+    param = piece.param
+    placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
+    local_shape = tuple(param._local_tensor.shape if isinstance(param, DTensor) else param.shape)
+    out = []
+    for rect, a, b in flat_rects(local_shape, piece.lo, piece.hi):
+        for g, sub in local_to_global(rect, placement, pmodel.topology.tp_rank, pmodel.topology.sizes["tp"],
+                                      tuple(param.shape)):
+            out.append((g, a - piece.lo, b - piece.lo, rect, sub))
+    return out
+
+
+def _part(flat: torch.Tensor, start: int, stop: int, rect, sub) -> torch.Tensor:
+    return flat[start:stop].view(rect_shape(rect))[shift(sub, rect)]
+
+
+def _pieces(pmodel):
+    """(canonical name, piece) for every piece of every parameter this rank holds."""
+    for name, param in pmodel.module.named_parameters():
+        for piece in pmodel.masters.pieces.get(id(param), []):
+            yield pmodel._aliases.get(name, name), piece
+
+
+def _buffers(pmodel) -> dict[str, torch.Tensor]:
+    params = set(pmodel._aliases)
+    return {k: v for k, v in pmodel.module.state_dict(keep_vars=True).items() if k not in params}
+
+
+def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None) -> Path:
+    """Save `pmodel` (and `optimizer`, and a picklable `extra`) under directory `path`.
+
+    Collective. Atomic: until the save completes, `path` keeps presenting the previous
+    checkpoint. Returns the directory of the new version.
+    """
+    topology = pmodel.topology
+    world = topology.group(*MESH_DIMS)
+    path = Path(path)
+    box = [uuid.uuid4().hex[:12] if topology.rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(world, 0), group=world)
+    staging = path / f"v-{box[0]}.tmp"
+    if topology.rank == 0:
+        staging.mkdir(parents=True)
+    dist.barrier(group=world)
+
+    writer = RankWriter()
+    for name, piece in _pieces(pmodel):
+        if not piece.counted:
+            continue
+        model, master = piece.model(), piece.master.reshape(-1) if piece.write_back is not None else None
+        state = {k: local(v) if isinstance(v, torch.Tensor) else v
+                 for k, v in (optimizer.state.get(piece.master, {}) if optimizer is not None else {}).items()}
+        for g, a, b, rect, sub in _regions(pmodel, piece):
+            writer.add(f"model/{name}", tuple(piece.param.shape), g, _part(model, a, b, rect, sub))
+            if master is not None:
+                writer.add(f"master/{name}", tuple(piece.param.shape), g, _part(master, a, b, rect, sub))
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == piece.hi - piece.lo and value.dim():
+                    writer.add(f"optim/{name}/{key}", tuple(piece.param.shape), g, _part(value.reshape(-1), a, b, rect, sub))
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
+                                      "shardwise checkpoints tensor state (torch.optim optimizers keep tensors)")
+            if value.dim() == 0 and piece.lo == 0:
+                writer.add(f"optim/{name}/{key}", (), (), value)
+    owner = all(topology.coordinates[d] == 0 for d in ("dp", "cp", "tp"))
+    for name, buffer in _buffers(pmodel).items():
+        if owner:
+            writer.add(f"buffer/{name}", tuple(buffer.shape), tuple((0, s) for s in buffer.shape), buffer)
+    writer.tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        writer.tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    groups = [[pmodel._aliases.get(n, n) for n, p in pmodel.module.named_parameters() if any(
+        piece.master is m for piece in pmodel.masters.pieces.get(id(p), []) for m in g["params"])]
+              for g in optimizer.param_groups] if optimizer is not None else []
+    writer.write(staging, topology.rank, {"groups": groups})
+    dist.barrier(group=world)
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    if topology.rank == 0:
+        meta = {
+            "format": FORMAT, "world_size": topology.world_size, "layout": topology.sizes,
+            "config": {k: str(v) for k, v in vars(pmodel.config).items()}, "plan": pmodel.plan.to_dict(),
+            "steps": pmodel.steps, "state_keys": list(pmodel._state_shapes), "aliases": pmodel._aliases,
+            "optimizer": optimizer is not None,
+        }
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+        publish(path, staging, meta, {"param_groups": hyper, "extra": extra})
+    dist.barrier(group=world)
+    return final
+
+
+def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
+    """Load a checkpoint saved in any layout into `pmodel` (and `optimizer`); returns `extra`.
+
+    Collective. `path` may also be a plain state dict file (.safetensors or .pt), e.g. one
+    written by `merge_checkpoint` or by a single-process run. Everything is read and checked
+    before anything is changed, on every rank: a bad checkpoint changes nothing.
+    """
+    path = Path(path)
+    if path.is_file():
+        pmodel.load_full_state_dict(_read_state_dict(path))
+        return None
+    reader = Reader(latest(path))
+    topology = pmodel.topology
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+    problem = None
+    try:
+        _check_same_model(reader, pmodel, optimizer)
+        reader.validate(range(topology.rank, reader.meta["world_size"], topology.world_size))  # each file, by one rank
+        for name, piece in _pieces(pmodel):
+            model = piece.model()
+            value, master = torch.empty_like(model), None
+            if piece.write_back is not None:
+                master = torch.empty_like(piece.master.reshape(-1))
+            optim_keys = [k for k in reader.keys if k.startswith(f"optim/{name}/")] if optimizer is not None else []
+            state = {k.rsplit("/", 1)[1]: torch.empty(piece.hi - piece.lo, dtype=getattr(torch, reader.keys[k]["dtype"]),
+                                                      device=model.device)
+                     for k in optim_keys if reader.keys[k]["shape"]}
+            for g, a, b, rect, sub in _regions(pmodel, piece):
+                _part(value, a, b, rect, sub).copy_(reader.read(f"model/{name}", g))
+                if master is not None:
+                    source = f"master/{name}" if f"master/{name}" in reader.keys else f"model/{name}"
+                    _part(master, a, b, rect, sub).copy_(reader.read(source, g))
+                for key, tensor in state.items():
+                    _part(tensor, a, b, rect, sub).copy_(reader.read(f"optim/{name}/{key}", g))
+            staged.append((model, value))
+            if master is not None:
+                staged.append((piece.master.reshape(-1), master))
+            if optimizer is not None:
+                scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
+                           if not reader.keys[k]["shape"]}
+                states[id(piece.master)] = (piece.master, {**{k: _like(piece.master, v) for k, v in state.items()},
+                                                           **scalars})
+        for name, buffer in _buffers(pmodel).items():
+            staged.append((buffer, reader.read(f"buffer/{name}", tuple((0, s) for s in buffer.shape))))
+    except CheckpointError as exc:
+        problem = str(exc)
+    _agree(pmodel, problem)
+
+    with torch.no_grad():  # commit: every rank has everything it needs
+        for target, value in staged:
+            target.copy_(value.to(target.device, target.dtype))
+    if optimizer is not None:
+        for master, state in states.values():
+            optimizer.state[master] = state
+        for group, saved in zip(optimizer.param_groups, reader.saved["param_groups"]):
+            group.update(saved)
+    pmodel.masters.write_back()  # ZeRO: whole parameters from the loaded shards
+    pmodel.steps = reader.meta["steps"]
+    if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
+        _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
+    return reader.saved["extra"]
+
+
+def _like(master: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Optimizer state shaped like `master`: a DTensor with its layout if the master is one."""
+    if isinstance(master, DTensor):
+        return DTensor.from_local(flat.view(master._local_tensor.shape), master.device_mesh, master.placements,
+                                  run_check=False, shape=master.shape, stride=master.stride())
+    return flat.view(master.shape)
+
+
+def _check_same_model(reader: Reader, pmodel, optimizer) -> None:
+    expected = {k: shape for k, shape in pmodel._state_shapes.items() if pmodel._aliases.get(k, k) == k}
+    found = {k.split("/", 1)[1]: tuple(v["shape"]) for k, v in reader.keys.items() if k.startswith(("model/", "buffer/"))}
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} is from another model: missing {missing[:6]}, "
+                              f"unexpected {unexpected[:6]}")
+    wrong = [f"{k}: {found[k]} vs {expected[k]}" for k in expected if tuple(expected[k]) != found[k]]
+    if wrong:
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} is from another model: shapes differ ({wrong[:4]})")
+    if optimizer is not None and not reader.meta["optimizer"]:
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state; load it with optimizer=None")
+
+
+def _agree(pmodel, problem: str | None) -> None:
+    """Every rank learns whether every rank could read its part; if not, all raise the
+    first failing rank's error."""
+    topology = pmodel.topology
+    if topology.world_size == 1:
+        if problem is not None:
+            raise CheckpointError(problem)
+        return
+    world = topology.group(*MESH_DIMS)
+    first = torch.tensor([topology.rank if problem is not None else topology.world_size], device=topology.device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=world)
+    culprit = int(first.item())
+    if culprit == topology.world_size:
+        return
+    box = [problem]
+    dist.broadcast_object_list(box, src=culprit, group=world)
+    raise CheckpointError(f"{box[0]} (found by rank {culprit}; nothing was loaded)")
+
+
+def _restore_rng(reader: Reader, rank: int) -> None:
+    cpu = reader.rank_tensor(rank, "rng/cpu")
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    cuda = reader.rank_tensor(rank, "rng/cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file
+        raise CheckpointError(f"{str(path)!r} is not a readable state dict: {exc}") from None
+
+
+def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False) -> Path:
+    """Write the checkpoint at `path` as one plain state dict `out` (.safetensors or .pt),
+    loadable by the original module with `load_state_dict(strict=True)`. One process, no
+    GPU. With `optimizer=True`, also `<out>.optimizer.pt`: a torch optimizer state dict for
+    an optimizer over `module.parameters()` with the saving run's parameter groups."""
+    reader = Reader(latest(Path(path)))
+    meta, out = reader.meta, Path(out)
+    state = {}
+    for key in meta["state_keys"]:
+        canonical = meta["aliases"].get(key, key)
+        source = next((f"{kind}/{canonical}" for kind in ("master", "model", "buffer")
+                       if f"{kind}/{canonical}" in reader.keys), None)
+        if source is None:
+            raise CheckpointError(f"checkpoint {str(reader.version)!r} has no values for {key!r}")
+        shape = reader.keys[source]["shape"]
+        state[key] = reader.read(source, tuple((0, s) for s in shape)).clone()
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out))
+    else:
+        torch.save(state, out)
+    if optimizer:
+        torch.save(_merged_optimizer(reader), out.with_name(out.name + ".optimizer.pt"))
+    return out
+
+
+def _merged_optimizer(reader: Reader) -> dict[str, Any]:
+    if not reader.meta["optimizer"]:
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state to merge")
+    order = {n: i for i, n in enumerate(reader.meta["state_keys"])}
+    hyper = reader.saved["param_groups"]
+    members = [sorted({n for r in reader.ranks.values() for n in r["groups"][i]}, key=order.get) for i in range(len(hyper))]
+    state, groups, index = {}, [], 0
+    for group, names in zip(hyper, members):
+        ids = []
+        for name in names:
+            entry = {}
+            for key in [k for k in reader.keys if k.startswith(f"optim/{name}/")]:
+                shape = reader.keys[key]["shape"]
+                entry[key.rsplit("/", 1)[1]] = reader.read(key, tuple((0, s) for s in shape)).clone()
+            if entry:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**group, "params": ids})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,239 @@
+"""Checkpoints: reshard on load, bit-for-bit resume, atomic saves, merge, bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from parity import LR, gpt_batches, make_gpt, replica_slice
+from safetensors.torch import load_file
+
+BATCHES = gpt_batches(5, 8)
+
+
+def _train(pm, opt, batches):
+    index, count = sw.data_parallel_info(pm)
+    losses = []
+    for batch in batches:
+        losses.append(float(pm.train_step(replica_slice(batch, index, count))))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _parallel(config: dict, plan=None, seed: int = 0, dropout: float = 0.0):
+    pm = sw.parallelize(make_gpt(seed, n_layer=4, dropout=dropout), sw.ParallelConfig(**config), plan=plan,
+                        sample=BATCHES[0][:4])
+    return pm, sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+
+
+def _save(path, config, plan):
+    pm, opt = _parallel(config, plan)
+    _train(pm, opt, BATCHES[:2])
+    sw.save_checkpoint(path, pm, opt, extra={"epoch": 3})
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def _load_and_resave(src, dst, config, plan):
+    pm, opt = _parallel(config, plan, seed=7)  # different values: only the checkpoint can make them equal
+    extra = sw.load_checkpoint(src, pm, opt)
+    sw.save_checkpoint(dst, pm, opt)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}, extra, pm.steps
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "run"
+    state = sw.testing.run_on_ranks(_save, 4, str(path), {"tp": 2}, "gpt")[0]  # dp=2 x tp=2
+    sw.merge_checkpoint(path, path.with_suffix(".safetensors"), optimizer=True)
+    return path, state
+
+
+@pytest.mark.parametrize("world, config, plan", [
+    (4, {"tp": 4}, "gpt"),
+    (4, {"pp": 2, "microbatches": 2}, None),
+    (4, {"zero": 3}, None),
+    (1, {}, None),
+])
+def test_load_into_another_layout(saved, tmp_path, world, config, plan):
+    path, want = saved
+    results = sw.testing.run_on_ranks(_load_and_resave, world, str(path), str(tmp_path / "again"), config, plan)
+    for state, extra, steps in results:
+        assert all(torch.equal(state[k], want[k]) for k in want) and extra == {"epoch": 3} and steps == 2
+    # parameters and Adam state, compared whole: re-save in the new layout and merge both
+    sw.merge_checkpoint(tmp_path / "again", tmp_path / "again.pt", optimizer=True)
+    first = torch.load(path.with_suffix(".safetensors.optimizer.pt"))
+    again = torch.load(tmp_path / "again.pt.optimizer.pt")
+    assert first["state"].keys() == again["state"].keys() and len(first["state"]) == len(want) - 1  # tied once
+    for index, entry in first["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, again["state"][index][key]), (index, key)
+    assert first["param_groups"] == again["param_groups"]
+
+
+def test_merged_file_loads_into_the_original_module(saved):
+    path, want = saved
+    merged = load_file(str(path.with_suffix(".safetensors")))
+    module = make_gpt(3, n_layer=4)
+    module.load_state_dict(merged, strict=True)
+    assert all(torch.equal(module.state_dict()[k], want[k]) for k in want)
+
+
+def test_start_from_a_plain_state_dict(saved):
+    path, want = saved
+    results = sw.testing.run_on_ranks(_from_file, 4, str(path.with_suffix(".safetensors")))
+    for state in results:
+        assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def _from_file(file):
+    pm, _ = _parallel({"tp": 2, "zero": 1}, "gpt", seed=9)
+    sw.load_checkpoint(file, pm)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+# -- resume bit for bit --------------------------------------------------------------------
+def _uninterrupted(config, plan):
+    pm, opt = _parallel(config, plan, dropout=0.1)
+    losses = _train(pm, opt, BATCHES)
+    return losses[2:], {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def _first_part(path, config, plan):
+    pm, opt = _parallel(config, plan, dropout=0.1)
+    _train(pm, opt, BATCHES[:2])
+    sw.save_checkpoint(path, pm, opt)
+    return "saved"  # the processes end here: the run is killed
+
+
+def _resumed(path, config, plan):
+    pm, opt = _parallel(config, plan, seed=5, dropout=0.1)
+    sw.load_checkpoint(path, pm, opt)
+    losses = _train(pm, opt, BATCHES[2:])
+    return losses, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("config, plan", [({"tp": 2, "zero": 1}, "gpt"), ({"zero": 3}, None)])
+def test_resume_continues_bit_for_bit(tmp_path, config, plan):
+    want_losses, want_state = sw.testing.run_on_ranks(_uninterrupted, 4, config, plan)[0]
+    sw.testing.run_on_ranks(_first_part, 4, str(tmp_path / "c"), config, plan)
+    losses, state = sw.testing.run_on_ranks(_resumed, 4, str(tmp_path / "c"), config, plan)[0]
+    assert losses == want_losses  # dropout masks too: random states are restored
+    assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+
+
+# -- atomic saves ----------------------------------------------------------------------------
+def _crash_during_second_save(path):
+    pm, opt = _parallel({"zero": 1})
+    _train(pm, opt, BATCHES[:1])
+    sw.save_checkpoint(path, pm, opt)
+    _train(pm, opt, BATCHES[1:2])
+    if dist.get_rank() == 1:  # this rank dies halfway through writing its file
+        from shardwise.checkpoint import store
+
+        def die_halfway(tensors, filename):
+            store.save_file.__wrapped__(tensors, filename)
+            size = os.path.getsize(filename)
+            with open(filename, "r+b") as f:
+                f.truncate(size // 2)
+            os._exit(1)
+
+        die_halfway.__wrapped__ = store.save_file
+        store.save_file = die_halfway
+    sw.save_checkpoint(path, pm, opt)
+
+
+def _load_state(path):
+    pm, opt = _parallel({"tp": 2}, "gpt", seed=4)
+    sw.load_checkpoint(path, pm, opt)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    with pytest.raises(sw.RankFailedError):
+        sw.testing.run_on_ranks(_crash_during_second_save, 4, str(path), timeout=120, collective_timeout=10)
+    assert list(path.glob("v-*.tmp"))  # the interrupted save is there, unpublished
+    first = (path / "LATEST").read_text()
+    state = sw.testing.run_on_ranks(_load_state, 4, str(path))[0]
+    reference = make_gpt(0, n_layer=4)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    distance = []
+    for batch in BATCHES[:2]:  # after one step (the first save) and after two (the interrupted one)
+        reference(batch).backward()
+        opt.step()
+        opt.zero_grad()
+        distance.append(max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items()))
+    assert distance[0] <= 1e-5 < distance[1], distance  # the first checkpoint, whole
+    assert (path / "LATEST").read_text() == first
+
+
+# -- bytes on disk ---------------------------------------------------------------------------
+def _save_dp4(path):
+    pm, opt = _parallel({})
+    _train(pm, opt, BATCHES[:1])
+    sw.save_checkpoint(path, pm, opt)
+    memory = pm.memory()
+    return memory["parameters"] + memory["optimizer"]
+
+
+def test_data_parallel_checkpoint_holds_one_copy(tmp_path):
+    held = sw.testing.run_on_ranks(_save_dp4, 4, str(tmp_path / "c"))[0]  # per rank: params + Adam state
+    version = tmp_path / "c" / (tmp_path / "c" / "LATEST").read_text()
+    on_disk = sum(f.stat().st_size for f in version.iterdir())
+    ratio = on_disk / held
+    print(f"dp=4 checkpoint: {on_disk} bytes on disk for {held} bytes of parameters + optimizer state "
+          f"per replica: ratio {ratio:.3f} (4 replicas, written once)")
+    assert 0.98 <= ratio <= 1.1
+
+
+# -- bad checkpoints ---------------------------------------------------------------------------
+def _load_error(path):
+    pm, opt = _parallel({"tp": 2}, "gpt", seed=4)
+    before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    try:
+        sw.load_checkpoint(path, pm, opt)
+    except sw.CheckpointError as exc:
+        after = pm.full_state_dict()
+        return str(exc), all(torch.equal(before[k], after[k]) for k in before), len(opt.state)
+    return "no error", False, 0
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing(saved, tmp_path):
+    path, _ = saved
+    import shutil
+
+    cases = {}
+    cases["empty"] = tmp_path / "empty"
+    cases["empty"].mkdir()
+    cases["incomplete"] = tmp_path / "incomplete"
+    shutil.copytree(path, cases["incomplete"])
+    version = cases["incomplete"] / (cases["incomplete"] / "LATEST").read_text()
+    (version / "COMPLETE").unlink()
+    cases["corrupt"] = tmp_path / "corrupt"
+    shutil.copytree(path, cases["corrupt"])
+    version = cases["corrupt"] / (cases["corrupt"] / "LATEST").read_text()
+    with open(version / "rank-3.safetensors", "r+b") as f:
+        f.truncate(100)
+    expected = {"empty": "no complete checkpoint", "incomplete": "is incomplete: it has no COMPLETE marker",
+                "corrupt": "corrupt"}
+    for name, target in cases.items():
+        for message, unchanged, state in sw.testing.run_on_ranks(_load_error, 4, str(target)):
+            assert expected[name] in message, (name, message)
+            assert unchanged and state == 0, name
+
+
+def _other_model(path):
+    pm = sw.parallelize(make_gpt(0, n_layer=2), sw.ParallelConfig())
+    with pytest.raises(sw.CheckpointError, match=r"is from another model: missing \[\], unexpected \['layers.2"):
+        sw.load_checkpoint(path, pm)
+    return "ok"
+
+
+def test_checkpoint_of_another_model(saved):
+    assert sw.testing.run_on_ranks(_other_model, 1, str(saved[0])) == ["ok"]
