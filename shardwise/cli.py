@@ -7,12 +7,16 @@ they agree: the product's promise, shown in a minute on a laptop.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import click
 import torch
+from safetensors.torch import load_file
 
+from .checkpoint import merge_checkpoint
 from .config import ParallelConfig
 
 
@@ -28,6 +32,7 @@ class DemoSettings:
     lr: float
     seed: int
     backend: str
+    checkpoint: str
 
 
 def _demo_data(settings: DemoSettings):
@@ -49,7 +54,8 @@ def _demo_model(gpt_config, seed: int):
 
 
 def _demo_rank(settings: DemoSettings):
-    """One rank of the parallel run; rank 0 draws the progress bar."""
+    """One rank of the parallel run: train half the steps, save, resume in a fresh model from
+    the checkpoint, train the rest, save again. Rank 0 draws the progress bar."""
     from tqdm import tqdm
 
     import shardwise as sw
@@ -59,15 +65,25 @@ def _demo_rank(settings: DemoSettings):
                             schedule=settings.schedule)
     replicas = settings.ranks // (settings.tp * settings.pp)
     per = batches[0].shape[0] // replicas
-    pmodel = sw.parallelize(_demo_model(gpt_config, settings.seed), config, plan="gpt" if settings.tp > 1 else None,
-                            sample=batches[0][:per])
-    optimizer = sw.build_optimizer(pmodel, torch.optim.AdamW, lr=settings.lr)
+    plan = "gpt" if settings.tp > 1 else None
+
+    def build(seed: int):
+        pmodel = sw.parallelize(_demo_model(gpt_config, seed), config, plan=plan, sample=batches[0][:per])
+        return pmodel, sw.build_optimizer(pmodel, torch.optim.AdamW, lr=settings.lr)
+
+    pmodel, optimizer = build(settings.seed)
     replica, replicas = sw.data_parallel_info(pmodel)
     first = pmodel.topology.rank == 0
+    half = settings.steps // 2
     losses = []
     start = time.perf_counter()
     with tqdm(total=settings.steps, desc=f"parallel ({settings.ranks} ranks)", disable=not first, leave=True) as bar:
-        for batch in batches:
+        for step, batch in enumerate(batches):
+            if step == half:  # save, then carry on in a fresh model resumed from the checkpoint
+                sw.save_checkpoint(settings.checkpoint, pmodel, optimizer)
+                pmodel, optimizer = build(settings.seed + 1)
+                sw.load_checkpoint(settings.checkpoint, pmodel, optimizer)
+                bar.write(f"step {step}: saved and resumed from {settings.checkpoint}")
             loss = pmodel.train_step(batch[replica * per:(replica + 1) * per])
             optimizer.step()
             optimizer.zero_grad()
@@ -75,10 +91,10 @@ def _demo_rank(settings: DemoSettings):
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update()
     elapsed = time.perf_counter() - start
-    state = {k: v.detach().cpu().clone() for k, v in pmodel.full_state_dict().items()}  # collective under tp
+    sw.save_checkpoint(settings.checkpoint, pmodel, optimizer)
     if not first:
         return None
-    return {"losses": losses, "state": state, "summary": pmodel.summary(), "seconds": elapsed}
+    return {"losses": losses, "summary": pmodel.summary(), "seconds": elapsed}
 
 
 def _single_process(settings: DemoSettings):
@@ -115,8 +131,9 @@ def main() -> None:
 @click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
+@click.option("--checkpoint", default=None, help="Checkpoint directory (default: a temporary one).")
 def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, microbatches: int, lr: float,
-         seed: int, backend: str) -> None:
+         seed: int, backend: str, checkpoint: str | None) -> None:
     """Train the reference GPT on local ranks (data, tensor, pipeline parallel), then on one process, and compare."""
     from .testing import run_on_ranks
 
@@ -125,10 +142,18 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
     replicas = ranks // (tp * pp)
     if batch % (replicas * microbatches):
         raise click.BadParameter(f"--batch {batch} must be a multiple of replicas*microbatches = {replicas * microbatches}")
-    settings = DemoSettings(ranks, tp, pp, schedule, steps, batch, microbatches, lr, seed, backend)
-    click.echo(f"shardwise demo: {asdict(settings)}")
-    result = run_on_ranks(_demo_rank, ranks, settings, backend=backend, timeout=1800)[0]
-    click.echo(result["summary"])
+    with tempfile.TemporaryDirectory() as scratch:
+        settings = DemoSettings(ranks, tp, pp, schedule, steps, batch, microbatches, lr, seed, backend,
+                                checkpoint or str(Path(scratch) / "checkpoint"))
+        click.echo(f"shardwise demo: {asdict(settings)}")
+        result = run_on_ranks(_demo_rank, ranks, settings, backend=backend, timeout=1800)[0]
+        click.echo(result["summary"])
+        merged = Path(scratch) / "gpt.safetensors"
+        merge_checkpoint(settings.checkpoint, merged)
+        model = _demo_model(_demo_data(settings)[0], seed + 2)
+        model.load_state_dict(load_file(str(merged)), strict=True)  # the plain module, from one file
+        merged_state = model.state_dict()
+    click.echo(f"merged the last checkpoint into one file and loaded it into a plain GPT (strict=True)")
     single_losses, single_state = _single_process(settings)
 
     losses = result["losses"]
@@ -137,7 +162,7 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
     for i in shown:
         click.echo(f"{i:>5}  {losses[i]:>10.6f}  {single_losses[i]:>10.6f}  {abs(losses[i] - single_losses[i]):>9.2e}")
     loss_diff = max(abs(a - b) for a, b in zip(losses, single_losses))
-    param_diff = max(float((single_state[k] - result["state"][k]).abs().max()) for k in single_state)
+    param_diff = max(float((single_state[k] - merged_state[k]).abs().max()) for k in single_state)
     agree = loss_diff <= 1e-4 * max(1.0, abs(single_losses[0]))
     click.echo(
         f"\nmax |loss diff| {loss_diff:.2e}, max |parameter diff| {param_diff:.2e} after {steps} AdamW steps "
@@ -147,3 +172,14 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
                else "agree: NO — the parallel run diverged from one process")
     if not agree:
         raise SystemExit(1)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--optimizer", is_flag=True, help="Also write OUT.optimizer.pt, the merged optimizer state.")
+def merge(checkpoint: str, out: str, optimizer: bool) -> None:
+    """Merge CHECKPOINT (saved by sw.save_checkpoint in any layout) into one state dict OUT
+    (.safetensors or .pt) that the original module loads with load_state_dict."""
+    path = merge_checkpoint(checkpoint, out, optimizer=optimizer)
+    click.echo(f"wrote {path}" + (f" and {path}.optimizer.pt" if optimizer else ""))

@@ -281,7 +281,7 @@ class ParallelModule(nn.Module):
             seen = {}
             for t in tensors:
                 if t is not None and t.numel():
-                    storage = t.untyped_storage()
+                    storage = local(t).untyped_storage()
                     seen[storage.data_ptr()] = storage.nbytes()
             return sum(seen.values())
 

@@ -36,6 +36,7 @@ def _save(path, config, plan):
     pm, opt = _parallel(config, plan)
     _train(pm, opt, BATCHES[:2])
     sw.save_checkpoint(path, pm, opt, extra={"epoch": 3})
+    assert "optimizer" in pm.summary()  # memory report with DTensor optimizer state
     return {k: v.clone() for k, v in pm.full_state_dict().items()}
 
 
