@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: alternate timed rounds between implementations in one run."""
+"""Shared by the benchmarks: the model, its batches, and timed rounds alternating between
+implementations in one run."""
 
 from __future__ import annotations
 
@@ -6,7 +7,22 @@ import statistics
 import time
 from typing import Callable
 
+import torch
 import torch.distributed as dist
+
+from shardwise.models import GPT, GPTConfig
+
+
+def bench_gpt(args) -> GPT:
+    """The benchmarks' GPT, identical on every rank and in every implementation."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
+
+
+def bench_batches(args, seed: int) -> list[torch.Tensor]:
+    """`args.steps` token batches of `args.batch` x `args.seq + 1`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
 
 
 def timed_rounds(steps: dict[str, Callable[[object], None]], batches: list, rounds: int) -> dict[str, list[float]]:

@@ -18,23 +18,17 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shardwise as sw
-from common import print_times, timed_rounds
-from shardwise.models import GPT, GPTConfig
+from common import bench_batches, bench_gpt, print_times, timed_rounds
 
-
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
 
 
 def _bench(args):
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+    batches = bench_batches(args, seed=100 + rank)
 
-    pm = sw.parallelize(_model(args), sw.ParallelConfig(bucket_mb=args.bucket_mb))
+    pm = sw.parallelize(bench_gpt(args), sw.ParallelConfig(bucket_mb=args.bucket_mb))
     sw_opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
-    ddp = torch.nn.parallel.DistributedDataParallel(_model(args), bucket_cap_mb=args.bucket_mb)
+    ddp = torch.nn.parallel.DistributedDataParallel(bench_gpt(args), bucket_cap_mb=args.bucket_mb)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
     def sw_step(batch):
@@ -60,7 +54,7 @@ def _bench(args):
         counted.append(bucket.buffer().numel() * bucket.buffer().element_size())
         return allreduce_hook(state, bucket)
 
-    probe = torch.nn.parallel.DistributedDataParallel(_model(args), bucket_cap_mb=args.bucket_mb)
+    probe = torch.nn.parallel.DistributedDataParallel(bench_gpt(args), bucket_cap_mb=args.bucket_mb)
     probe.register_comm_hook(None, counting_hook)
     for batch in batches[:2]:  # DDP rebuilds its buckets after the first iteration; count the second
         counted.clear()

@@ -21,14 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import print_times, timed_rounds
+from common import bench_batches, bench_gpt, print_times, timed_rounds
 from shardwise.comm import CollectiveCounter
-from shardwise.models import GPT, GPTConfig
 
-
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
 
 
 def _pairs_plan() -> sw.Plan:
@@ -41,7 +36,7 @@ def _pairs_plan() -> sw.Plan:
 
 
 def _native(args) -> GPT:
-    model = _model(args)
+    model = bench_gpt(args)
     plan = {}
     for i in range(args.layers):
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -54,11 +49,10 @@ def _native(args) -> GPT:
 
 
 def _bench(args):
-    gen = torch.Generator().manual_seed(100)
-    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+    batches = bench_batches(args, seed=100)
     tp = dist.get_world_size()
-    ours = sw.parallelize(_model(args), sw.ParallelConfig(tp=tp), plan=_pairs_plan())
-    zoo = sw.parallelize(_model(args), sw.ParallelConfig(tp=tp), plan="gpt")
+    ours = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan=_pairs_plan())
+    zoo = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan="gpt")
     native = _native(args)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ours, zoo, native)}
 
@@ -80,7 +74,7 @@ def _bench(args):
         with CollectiveCounter() as counter:
             step(batches[0])
         counts[name] = (dict(counter.calls), dict(counter.bytes))
-    return {"times": times, "counts": counts, "tp": tp, "params": sum(p.numel() for p in _model(args).parameters())}
+    return {"times": times, "counts": counts, "tp": tp, "params": sum(p.numel() for p in bench_gpt(args).parameters())}
 
 
 def main() -> None:

@@ -18,23 +18,17 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import shardwise as sw
-from common import print_times, timed_rounds
-from shardwise.models import GPT, GPTConfig
+from common import bench_batches, bench_gpt, print_times, timed_rounds
 
-
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, d_model=args.d_model))
 
 
 def _bench(args):
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+    batches = bench_batches(args, seed=100 + rank)
 
-    ours = sw.parallelize(_model(args), sw.ParallelConfig(zero=3))
+    ours = sw.parallelize(bench_gpt(args), sw.ParallelConfig(zero=3))
     ours_opt = sw.build_optimizer(ours, torch.optim.AdamW, lr=1e-4)
-    fsdp = _model(args)
+    fsdp = bench_gpt(args)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     for layer in fsdp.layers:
         fully_shard(layer, mesh=mesh)
@@ -53,10 +47,10 @@ def _bench(args):
 
     times = timed_rounds({"shardwise zero=3": ours_step, "torch FSDP2": fsdp_step}, batches, args.rounds)
 
-    psi = sum(p.numel() for p in _model(args).parameters())
+    psi = sum(p.numel() for p in bench_gpt(args).parameters())
     volumes = {}
     for zero in (0, 1, 2, 3):
-        pm = sw.parallelize(_model(args), sw.ParallelConfig(zero=zero))
+        pm = sw.parallelize(bench_gpt(args), sw.ParallelConfig(zero=zero))
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
         pm.train_step(batches[0])  # the first step learns the unit order (for prefetch)
         opt.step()
