@@ -1,11 +1,12 @@
 """`parallelize` and `ParallelModule`: the one front door.
 
 `parallelize` composes the executors in a fixed order, each reading only the Topology and
-the Plan: config -> Plan (resolved against the module) -> pipeline stage layout -> Topology
--> prune to this rank's stages -> materialize (deferred init) -> tensor parallel ->
-pipeline schedule -> data parallel. `ParallelModule` is an ordinary `nn.Module` around the user's module that
-adds `train_step`, `infer_step`, `no_sync`, `summary` and full state dicts with the
-original module's keys.
+the Plan: config -> Plan (resolved against the module) -> pipeline stage layout ->
+Topology -> prune to this rank's stages -> materialize (deferred init) -> tensor parallel
+-> pipeline schedule -> mixed precision -> data parallel / ZeRO -> master weights.
+`ParallelModule` is an ordinary `nn.Module` around the user's module that adds
+`train_step`, `infer_step`, `no_sync`, `summary` and full state dicts with the original
+module's keys.
 """
 
 from __future__ import annotations
@@ -47,30 +48,28 @@ _SUPPORTED = {"cp": 1}
 class ParallelModule(nn.Module):
     """A module trained across ranks: the user's module plus the executors applied to it."""
 
-    def __init__(self, module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan,
-                 tensor_parallel: TensorParallel | None, gradients: GradientBuckets,
-                 pipeline: Pipeline | None = None, state_layout: dict[str, tuple] | None = None,
-                 tied: dict[str, list[int]] | None = None, param_names: list[str] | None = None):
+    def __init__(self, module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan):
         super().__init__()
         self.module = module
         self.topology = topology
         self.config = topology.config
         self.plan = plan
         self.resolved_plan = resolved
-        self.tensor_parallel = tensor_parallel
-        self.gradients = gradients
-        self.pipeline = pipeline
-        self._state_layout = state_layout
-        self._tied = tied or {}
-        self._param_names = param_names or [n for n, _ in module.named_parameters()]
-        self.masters: MasterWeights | None = None  # set by parallelize
+        # the executors, attached by parallelize in its order
+        self.tensor_parallel: TensorParallel | None = None
+        self.pipeline: Pipeline | None = None
+        self.gradients: GradientBuckets | None = None
         self.param_shards: ParameterShards | None = None  # ZeRO-3
+        self.masters: MasterWeights | None = None
         self._optimizers: list = []  # those built by sw.build_optimizer, for memory reports
         self.steps = 0  # train_step calls, saved in checkpoints
-        # parameter name (tied aliases included) -> its first name; state key -> whole shape
-        self._aliases: dict[str, str] = {n: n for n in self._param_names}
+        # the whole model, as one process would hold it (pipeline ranks prune theirs):
+        self._param_names = [n for n, _ in module.named_parameters()]
+        self._aliases: dict[str, str] = {n: n for n in self._param_names}  # tied names -> first name
         self._state_shapes: dict[str, tuple[int, ...]] = {}
-        self._replicated_grads_checked = tensor_parallel is None
+        self._state_layout: dict[str, tuple] | None = None  # key -> (shape, dtype, pipeline stage)
+        self._tied: dict[str, list[int]] = {}  # parameter -> pipeline ranks holding it
+        self._replicated_grads_checked = False
 
     # running -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,7 +183,7 @@ class ParallelModule(nn.Module):
         """Once, after the first synchronized step: replicated parameters must have the same
         gradient on every tp rank. One that does not runs on sharded activations without the
         plan saying so, and would silently drift apart; name it instead."""
-        if self._replicated_grads_checked:
+        if self._replicated_grads_checked or self.tensor_parallel is None:
             return
         self._replicated_grads_checked = True
         tp = self.tensor_parallel
@@ -383,53 +382,46 @@ def parallelize(
     for name, limit in _SUPPORTED.items():
         if getattr(config, name) > limit:
             raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
-    if config.zero and config.dp is not None and config.dp * config.cp == 1:
-        config = _without_zero(config)
     chosen = as_plan(plan, config)
     resolved = resolve_plan(chosen, module, config.tp)  # all plan errors before any collective
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     init_distributed(timeout=timedelta(seconds=config.timeout_s))
-    if config.zero and dist.get_world_size() // config.model_parallel_size * config.cp == 1:
-        config = _without_zero(config)
+    if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
+        config = _without_zero(config)  # dp * cp == 1
     topology = Topology(config)
-
-    state_layout, tied = None, {}
-    param_names = [n for n, _ in module.named_parameters()]  # before pruning: the original names
+    config = topology.config
+    pmodel = ParallelModule(module, topology, chosen, resolved)
     first_name: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(param), name)
-    aliases = {name: first_name[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
-    state_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    pmodel._aliases = {name: first_name[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
+    pmodel._state_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+
     if layout is not None:
-        tied = tied_across_ranks(module, layout)
-        state_layout = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages only
+        pmodel._tied = tied_across_ranks(module, layout)
+        pmodel._state_layout = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages
     materialize = materializer(module, resolved, topology)  # deferred init: each rank's shards only
-    tensor_parallel = None
     if topology.sizes["tp"] > 1:
         broadcast_rng_state(topology.group("tp"), topology.device)  # random ops agree inside a replica
-        tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
+        pmodel.tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
     module.to(topology.device)
-    pmodel = ParallelModule(module, topology, chosen, resolved, tensor_parallel, None, None, state_layout, tied,
-                            param_names)
-    pmodel._aliases, pmodel._state_shapes = aliases, state_shapes
     if layout is not None:
         pmodel.pipeline = Pipeline(module, topology, layout, config.schedule, config.microbatches, pmodel._run)
         with pmodel._compute():
             pmodel.pipeline.setup(to_device(sample, topology.device))
-    config = topology.config
     fp32_values = {}
-    if config.param_dtype is not None:  # float32 masters from the values before casting
-        fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters()
-                       if p.requires_grad and p.dtype != torch.float32 or p.requires_grad and config.param_dtype != torch.float32}
+    if config.param_dtype not in (None, torch.float32):  # float32 masters, from the values before casting
+        fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters() if p.requires_grad}
         module.to(config.param_dtype)
-    units = [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())] \
-        if config.zero == 3 else None
-    pmodel.gradients = apply_data_parallel(module, topology, config, tensor_parallel, tied, units)
+    units = None
+    if config.zero == 3:
+        units = [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())]
+    pmodel.gradients = apply_data_parallel(module, topology, config, pmodel.tensor_parallel, pmodel._tied, units)
     if config.zero == 3:
         pmodel.param_shards = ParameterShards(module, pmodel.gradients, units)
-    first_holder = {name: ranks[0] == topology.pp_rank for name, ranks in tied.items()}
+    first_holder = {name: ranks[0] == topology.pp_rank for name, ranks in pmodel._tied.items()}
     tied_first = {id(p): first_holder[n] for n, p in module.named_parameters(remove_duplicate=False) if n in first_holder}
     pmodel.masters = MasterWeights(module, pmodel.gradients, topology, config.zero, fp32_values, tied_first)
     return pmodel
