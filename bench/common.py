@@ -25,6 +25,15 @@ def bench_batches(args, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
 
 
+def training_step(forward_backward, optimizer):
+    """A step for `timed_rounds`: forward and backward on a batch, then the optimizer."""
+    def step(batch):
+        forward_backward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
+
+
 def timed_rounds(steps: dict[str, Callable[[object], None]], batches: list, rounds: int) -> dict[str, list[float]]:
     """Seconds per step for each implementation, one entry per round; rounds alternate
     between implementations so both see the same machine load. One warm-up step each."""

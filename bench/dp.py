@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, print_times, timed_rounds
+from common import bench_batches, bench_gpt, print_times, timed_rounds, training_step
 
 
 
@@ -31,15 +31,8 @@ def _bench(args):
     ddp = torch.nn.parallel.DistributedDataParallel(bench_gpt(args), bucket_cap_mb=args.bucket_mb)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-    def sw_step(batch):
-        pm.train_step(batch)
-        sw_opt.step()
-        sw_opt.zero_grad()
-
-    def ddp_step(batch):
-        ddp(batch).backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad()
+    sw_step = training_step(pm.train_step, sw_opt)
+    ddp_step = training_step(lambda batch: ddp(batch).backward(), ddp_opt)
 
     times = timed_rounds({"shardwise": sw_step, "torch DDP": ddp_step}, batches, args.rounds)
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, print_times, timed_rounds
+from common import bench_batches, bench_gpt, print_times, timed_rounds, training_step
 from shardwise.comm import CollectiveCounter
 
 
@@ -56,17 +56,10 @@ def _bench(args):
     native = _native(args)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ours, zoo, native)}
 
-    def train(model, step_fn):
-        def step(batch):
-            step_fn(batch)
-            optimizers[model].step()
-            optimizers[model].zero_grad()
-        return step
-
     steps = {
-        "shardwise (pairs)": train(ours, ours.train_step),
-        "torch native TP": train(native, lambda b: native(b).backward()),
-        "shardwise (zoo gpt)": train(zoo, zoo.train_step),
+        "shardwise (pairs)": training_step(ours.train_step, optimizers[ours]),
+        "torch native TP": training_step(lambda batch: native(batch).backward(), optimizers[native]),
+        "shardwise (zoo gpt)": training_step(zoo.train_step, optimizers[zoo]),
     }
     times = timed_rounds(steps, batches, args.rounds)
     counts = {}

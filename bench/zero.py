@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, print_times, timed_rounds
+from common import bench_batches, bench_gpt, print_times, timed_rounds, training_step
 
 
 
@@ -35,15 +35,8 @@ def _bench(args):
     fully_shard(fsdp, mesh=mesh)
     fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
 
-    def ours_step(batch):
-        ours.train_step(batch)
-        ours_opt.step()
-        ours_opt.zero_grad()
-
-    def fsdp_step(batch):
-        fsdp(batch).backward()
-        fsdp_opt.step()
-        fsdp_opt.zero_grad()
+    ours_step = training_step(ours.train_step, ours_opt)
+    fsdp_step = training_step(lambda batch: fsdp(batch).backward(), fsdp_opt)
 
     times = timed_rounds({"shardwise zero=3": ours_step, "torch FSDP2": fsdp_step}, batches, args.rounds)
 
