@@ -115,6 +115,10 @@ class ParallelModule(nn.Module):
         Inside `no_sync()` gradients are only accumulated and the loss is this replica's.
         """
         self.steps += 1
+        if self.config.zero and not self._optimizers and self.steps == 1:
+            warnings.warn(f"zero={self.config.zero}: gradients live in the optimizer's shards, so only an optimizer built "
+                          "with sw.build_optimizer(pmodel, ...) sees them; a plain torch optimizer would not update "
+                          "anything", stacklevel=2)
         if self.pipeline is not None:
             return self._pipeline_train_step(self._prepare(batch))
         parts = self.config.microbatches
