@@ -3,6 +3,7 @@ implementations in one run."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Callable
@@ -11,6 +12,19 @@ import torch
 import torch.distributed as dist
 
 from shardwise.models import GPT, GPTConfig
+
+
+def bench_parser(doc: str, ranks: int, rounds: int, steps: int) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ranks, the GPT's size, the batch, and the timing."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=ranks)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps, help="steps per timed round")
+    return parser
 
 
 def bench_gpt(args) -> GPT:

@@ -11,14 +11,12 @@ ring all-reduce traffic per rank, 2(n-1)/n x payload.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, print_times, timed_rounds, training_step
+from common import bench_batches, bench_parser, bench_gpt, print_times, timed_rounds, training_step
 
 
 
@@ -67,15 +65,8 @@ def _bench(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    parser = bench_parser(__doc__, ranks=4, rounds=9, steps=5)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     args = parser.parse_args()
 
     res = sw.testing.run_on_ranks(_bench, args.ranks, args, timeout=3600)[0]

@@ -14,14 +14,12 @@ embedding, loss-parallel head) is timed alongside.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, print_times, timed_rounds, training_step
+from common import bench_batches, bench_parser, bench_gpt, print_times, timed_rounds, training_step
 from shardwise.comm import CollectiveCounter
 
 
@@ -71,14 +69,7 @@ def _bench(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    parser = bench_parser(__doc__, ranks=2, rounds=7, steps=4)
     args = parser.parse_args()
 
     res = sw.testing.run_on_ranks(_bench, args.ranks, args, timeout=3600)[0]
