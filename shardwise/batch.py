@@ -73,6 +73,42 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     return [map_tensors(batch, lambda t, i=i: t[i * step:(i + 1) * step] if t.dim() > 0 else t) for i in range(parts)]
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """An exact checksum of a tensor's bits that depends on element order.
+
+    Floating values are read as integers of the same width and summed with position weights
+    in wrapping int64 arithmetic, so equal tensors give equal sums on any device and rank, and
+    a permutation of the same samples does not."""
+    x = tensor.detach()
+    if x.numel() == 0:
+        return 0
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    elif x.is_floating_point():
+        x = x.contiguous().view(_BITS[x.element_size()])
+    flat = x.reshape(-1).to(torch.int64)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 65521 + 1
+    return int((flat * weights).sum())
+
+
+def batch_signature(batch: Any, content: bool = True) -> list[str]:
+    """One line per leaf: its path, shape and dtype (and checksum with `content`), for
+    checking that ranks given the same batch were, and naming the first difference."""
+    lines = []
+    for path, leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            line = f"{path} of shape {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+            lines.append(line + (f" (checksum {checksum(leaf)})" if content else ""))
+        else:
+            lines.append(f"{path} = {repr(leaf)[:80]}")
+    return lines
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 

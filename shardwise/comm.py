@@ -29,8 +29,14 @@ def describe_group(group: dist.ProcessGroup) -> str:
     return f"ranks {dist.get_process_group_ranks(group)}"
 
 
-def wait(work: dist.Work | None, what: str, group: dist.ProcessGroup) -> None:
-    """Wait for an async collective; re-raise a failure as `CommunicationError`."""
+def wait(work: dist.Work | None, what: str, group: dist.ProcessGroup, coordinator=None) -> None:
+    """Wait for an async collective; re-raise a failure as `CommunicationError`.
+
+    With a `coordinator` (see coordination.py) the wait also names what the other ranks
+    last reported and ends as soon as one of them is known to have failed."""
+    if coordinator is not None:
+        coordinator.wait(work, what, group)
+        return
     if work is None:
         return
     try:

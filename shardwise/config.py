@@ -9,6 +9,7 @@ collective is issued.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +18,19 @@ from .errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 ZERO_STAGES = (0, 1, 2, 3)
+# Compute dtypes with float32 master weights, and dtypes gradients are reduced in.
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of `n`, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _finite_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -41,6 +50,9 @@ class ParallelConfig:
     sequence_parallel: shard norms and dropout along the sequence inside tp groups.
     bucket_mb: capacity of one gradient-synchronization bucket in MiB.
     timeout_s: seconds after which a collective fails instead of waiting on a dead peer.
+    check_every: `train_step` checks, every this many steps (and on the first), that every
+        rank is in the same operation and that peers given the same batch (tp, cp, pp) were;
+        other steps only combine the replicas' sample counts.
     param_dtype: compute and parameter dtype (e.g. torch.bfloat16); the optimizer then keeps
         float32 master weights. None: leave the module as it is.
     reduce_dtype: dtype gradients are accumulated and reduced in; None: param_dtype.
@@ -55,31 +67,38 @@ class ParallelConfig:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     bucket_mb: float = 25.0
-    timeout_s: float = 600.0
+    timeout_s: float = 180.0
+    check_every: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.dp is not None:
             _check_positive_int("dp", self.dp)
-        for name in ("tp", "pp", "cp", "microbatches"):
+        for name in ("tp", "pp", "cp", "microbatches", "check_every"):
             _check_positive_int(name, getattr(self, name))
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; use one of {ZERO_STAGES}")
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
+            raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; use one of the integers {ZERO_STAGES}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"schedule={self.schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}"
             )
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
-        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, e.g. 25")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        for name in ("param_dtype", "reduce_dtype"):
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
+                              "none to shard over: set tp > 1 or sequence_parallel=False")
+        if not _finite_positive(self.bucket_mb):
+            raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, finite, e.g. 25")
+        if not _finite_positive(self.timeout_s) or self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds up to "
+                              f"{MAX_TIMEOUT_S:g} (a day), e.g. 180")
+        for name, allowed in (("param_dtype", PARAM_DTYPES), ("reduce_dtype", REDUCE_DTYPES)):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ConfigError(f"{name}={value!r} must be a floating torch dtype such as torch.bfloat16, or None")
+            if value is not None and value not in allowed:
+                names = ", ".join(str(d) for d in allowed)
+                raise ConfigError(f"{name}={value!r} is not supported; use one of {names} or None "
+                                  "(optimizer master weights are float32)")
 
     @property
     def model_parallel_size(self) -> int:

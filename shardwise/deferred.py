@@ -214,21 +214,30 @@ def deferred_record(module: nn.Module) -> DeferredInit | None:
     return module.__dict__.get(_ATTR)
 
 
-def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
-    """Materialize a deferred module on this rank: replicated tensors in place, sharded ones
-    returned by the callback for tensor parallelism to wrap. None for an ordinary module."""
+def check_materializable(module: nn.Module) -> None:
+    """`ModelError` unless every tensor of `module` has data or a deferred record to replay."""
     record = deferred_record(module)
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     if record is None:
+        named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
         meta = [n for n, t in named if t.is_meta or is_deferred(t)]
         if meta:
             raise ModelError(
                 f"{meta[0]!r} has no data (meta or fake tensor) and the module was not built with sw.deferred_init; "
                 "build it with sw.deferred_init(factory) so parallelize can materialize it"
             )
+    elif record._done:
+        raise ModelError("this deferred module was already materialized by an earlier parallelize call; "
+                         "build a new one with sw.deferred_init for each parallelize")
+
+
+def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
+    """Materialize a deferred module on this rank: replicated tensors in place, sharded ones
+    returned by the callback for tensor parallelism to wrap. None for an ordinary module."""
+    check_materializable(module)
+    record = deferred_record(module)
+    if record is None:
         return None
-    if record._done:
-        raise ModelError("this deferred module was already materialized by an earlier parallelize call")
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     tp, rank = topology.sizes["tp"], topology.tp_rank
     sharded = {n: p for n, p in resolved.params.items() if not isinstance(p, Replicate)} if tp > 1 else {}
     finals: dict[tuple, list[str]] = {}

@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .batch import loss_of, map_tensors, split_batch, to_device
+from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .comm import broadcast_rng_state, broadcast_tensors
 from .config import ParallelConfig
-from .deferred import is_deferred, materializer
-from .errors import CheckpointError, ConfigError, ModelError, PlanError
+from .coordination import Fingerprint, fingerprint_of, world_coordinator
+from .deferred import check_materializable, is_deferred, materializer
+from .errors import BatchError, CheckpointError, ConfigError, ModelError, PlanError, ShardwiseError
 from .parallel.collectives import all_gather_single
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
 from .parallel.fsdp import ParameterShards
@@ -63,6 +64,8 @@ class ParallelModule(nn.Module):
         self.masters: MasterWeights | None = None
         self._optimizers: list = []  # those built by sw.build_optimizer, for memory reports
         self.steps = 0  # train_step calls, saved in checkpoints
+        self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
+        self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
         # the whole model, as one process would hold it (pipeline ranks prune theirs):
         self._param_names = [n for n, _ in module.named_parameters()]
         self._aliases: dict[str, str] = {n: n for n in self._param_names}  # tied names -> first name
@@ -100,59 +103,139 @@ class ParallelModule(nn.Module):
         """
         if self.pipeline is not None:
             raise ModelError("with pp > 1 a forward spans ranks: use pmodel.train_step(batch) or pmodel.infer_step(batch)")
-        with self._compute():
+        self._forwards += 1
+        if self.topology.world_size > 1 and (self._forwards - 1) % self.config.check_every == 0:
+            lines = batch_signature((args, kwargs))
+            self.coordinator.agree("forward", fingerprints=[Fingerprint(
+                fingerprint_of(lines), lambda: lines, BatchError,
+                "Ranks of one replica (its tp, cp and pp ranks) must call the module with the same inputs",
+                peers=self.topology.peer_groups("pp", "cp", "tp"))])
+        with self._in_step("forward"), self._compute():
             return self._run(*args, **kwargs)
 
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         """The context forward and backward of a loss-parallel plan run in (a no-op otherwise)."""
         return self._compute()
 
+    @property
+    def coordinator(self):
+        """Agreement between this topology's ranks before each collective operation."""
+        return self.topology.coordinator
+
+    def _agree_on_batch(self, op: str, batch: Any, parts: int, check: bool) -> tuple[Any, list[Any], float]:
+        """Validate and split `batch`, agree with every rank, and return it (on this rank's
+        device), its microbatches and this replica's weight relative to an equal share
+        (n_replica * dp / n_global).
+
+        On check steps every rank gathers every rank's operation, problem and sample count,
+        and peers that must hold the same batch (tp, cp, pp) compare its fingerprint; on
+        other steps only the data-parallel ranks combine their sample counts."""
+        problem, microbatches, samples = None, [], 0
+        try:
+            batch = self._prepare(batch)
+            microbatches = split_batch(batch, parts)
+            samples = batch_size(batch)
+        except ShardwiseError as exc:
+            problem = exc
+        topology = self.topology
+        if topology.world_size == 1:
+            if problem is not None:
+                raise problem
+            return batch, microbatches, 1.0
+        replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
+        if check:
+            lines = batch_signature(batch) if problem is None else ["(a batch this rank refused)"]
+            agreement = self.coordinator.agree(op, problem, value=samples, fingerprints=[Fingerprint(
+                fingerprint_of(lines), lambda: lines, BatchError,
+                "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
+                "sw.data_parallel_info(pmodel), not by global rank", peers=topology.peer_groups("pp", "cp", "tp"))])
+            total = sum(agreement.values()[r] for r in replicas)
+        else:
+            if problem is not None:
+                raise problem
+            total = samples * len(replicas)
+            if len(replicas) > 1:
+                counted = torch.tensor([samples], dtype=torch.float64, device=topology.device)
+                dp = topology.group("dp")
+                self.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
+                total = int(counted.item())
+        return batch, microbatches, samples * len(replicas) / total  # exactly 1.0 when replicas are equal
+
+    def _checking(self) -> bool:
+        return (self.steps - 1) % self.config.check_every == 0
+
+    @contextlib.contextmanager
+    def collective(self, op: str, communicates: bool = True) -> Iterator[Callable[[], None]]:
+        """Around a method called once per step that may communicate (optimizer.step,
+        clip_grad_norm): agreed on the first call and every `config.check_every` calls, as
+        train_step is. Yields `ready()`, to call before the method's first collective: the
+        ranks' records are gathered while it does its local work."""
+        calls = self._calls[op] = self._calls.get(op, 0) + 1
+        pending = None
+        if communicates and self.topology.world_size > 1 and (calls - 1) % self.config.check_every == 0:
+            pending = self.coordinator.begin(op)
+        ready = pending.result if pending is not None else (lambda: None)
+        with self._in_step(op):
+            yield ready
+            ready()
+
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward over `config.microbatches` slices of `batch`.
 
-        Gradients are the mean over microbatches and replicas (as for the whole global
-        batch on one process); returns the mean loss, detached, the same on every rank.
-        Inside `no_sync()` gradients are only accumulated and the loss is this replica's.
+        Gradients are the mean over microbatches and replicas weighted by their sample
+        counts (exactly as one process computes them on the replicas' batches concatenated);
+        returns the mean loss, detached, the same on every rank. Inside `no_sync()`
+        gradients are only accumulated and the loss is this replica's.
         """
         self.steps += 1
         if self.config.zero and not self._optimizers and self.steps == 1:
             warnings.warn(f"zero={self.config.zero}: gradients live in the optimizer's shards, so only an optimizer built "
                           "with sw.build_optimizer(pmodel, ...) sees them; a plain torch optimizer would not update "
                           "anything", stacklevel=2)
-        if self.pipeline is not None:
-            return self._pipeline_train_step(self._prepare(batch))
         parts = self.config.microbatches
-        microbatches = split_batch(self._prepare(batch), parts)
-        syncing = self.gradients.sync_enabled
-        losses = []
-        with self.gradients.manual_finish():
-            for i, microbatch in enumerate(microbatches):
-                last = i == parts - 1
-                with contextlib.nullcontext() if last else self.gradients.no_sync(), self._compute():
-                    loss = loss_of(self._run(microbatch))
-                    losses.append(loss.detach())
-                    local_mean = torch.stack(losses).float().mean()
-                    if last and syncing:  # averaged over replicas along with the gradients
-                        self.gradients.stage_scalars(local_mean)
-                    (loss / parts if parts > 1 else loss).backward()
-        if not syncing:
-            return local_mean
-        mean = self.gradients.finish()[0]
-        self._after_sync()
-        return mean
+        batch, microbatches, weight = self._agree_on_batch("train_step", batch, parts, self._checking())
+        with self._in_step("train_step"):
+            if self.pipeline is not None:
+                return self._pipeline_train_step(batch, weight)
+            syncing = self.gradients.sync_enabled
+            losses = []
+            with self.gradients.manual_finish():
+                for i, microbatch in enumerate(microbatches):
+                    last = i == parts - 1
+                    with contextlib.nullcontext() if last else self.gradients.no_sync(), self._compute():
+                        loss = loss_of(self._run(microbatch))
+                        losses.append(loss.detach())
+                        local_mean = torch.stack(losses).float().mean()
+                        if last and syncing:  # averaged over replicas along with the gradients
+                            self.gradients.replica_weight = weight
+                            self.gradients.stage_scalars(local_mean * weight)
+                        (loss / parts if parts > 1 else loss).backward()
+            if not syncing:
+                return local_mean
+            mean = self.gradients.finish()[0]
+            self._after_sync()
+            return mean
+
+    @contextlib.contextmanager
+    def _in_step(self, op: str) -> Iterator[None]:
+        """The body of an agreed operation: an exception escaping it on this rank alone puts
+        this rank out of step (see coordination.py)."""
+        with self.coordinator.body(op):
+            yield
 
     def _after_sync(self) -> None:
         if self.param_shards is not None:
             self.param_shards.release_all()
         self._check_replicated_grads()
 
-    def _pipeline_train_step(self, batch: Any) -> torch.Tensor:
+    def _pipeline_train_step(self, batch: Any, weight: float) -> torch.Tensor:
         syncing = self.gradients.sync_enabled
         with self.gradients.no_sync(), self._compute():  # reduced once, after the whole schedule
             loss = self.pipeline.train_step(batch)
         if not syncing:
             return loss
-        self.gradients.stage_scalars(loss)
+        self.gradients.replica_weight = weight
+        self.gradients.stage_scalars(loss * weight)
         mean = self.gradients.finish()[0]
         self._after_sync()
         return mean
@@ -161,12 +244,12 @@ class ParallelModule(nn.Module):
     def infer_step(self, batch: Any) -> Any:
         """The module's outputs for `batch`, without gradients, on every rank; sharded outputs
         gathered whole. With pp > 1: the last stage's outputs."""
-        batch = self._prepare(batch)
-        with self._compute():
+        batch, _, _ = self._agree_on_batch("infer_step", batch, 1, check=True)
+        with self._in_step("infer_step"), self._compute():
             if self.pipeline is not None:
                 return self.pipeline.forward_pass(batch)[0]
             out = self._run(batch)
-        return map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+            return map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -176,8 +259,10 @@ class ParallelModule(nn.Module):
 
     def finish_gradient_sync(self) -> None:
         """Complete any pending gradient synchronization (the optimizer calls this)."""
-        self.gradients.finish()
-        self._after_sync()
+        with self.collective("finish_gradient_sync", communicates=self.gradients.pending) as ready:
+            ready()
+            self.gradients.finish()
+            self._after_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (to None by default), keeping the gradient buckets consistent."""
@@ -210,11 +295,13 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A plain state dict with the original module's keys and full tensors, on every rank.
 
-        Collective when parameters are sharded or pipelined: every rank must call it.
+        Collective: every rank must call it (ranks that do not are named in the error).
         """
-        with self._whole():
-            own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in self.module.state_dict().items()}
-        return self._gather_stages(own, list(self._state_layout or own))
+        with self.coordinator.operation("full_state_dict"):
+            with self._whole():
+                own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                       for k, v in self.module.state_dict().items()}
+            return self._gather_stages(own, list(self._state_layout or own))
 
     def _whole(self) -> contextlib.AbstractContextManager:
         """Parameters whole inside the block (ZeRO-3 gathers them; otherwise nothing to do)."""
@@ -223,15 +310,16 @@ class ParallelModule(nn.Module):
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient, whole, under its original name, as one process would
         hold it; parameters without a gradient are absent. Collective, like `full_state_dict`."""
-        reduced = self.gradients.full_grads()  # what the buckets hold: whole (all-gathered under ZeRO)
-        own = {}
-        for name, param in self.module.named_parameters():
-            grad = reduced.get(id(param), None if param.grad is None else local(param.grad))
-            if grad is not None:
-                if isinstance(param, DTensor):
-                    grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False).full_tensor()
-                own[name] = grad.detach()
-        return self._gather_stages(own, [n for n in self._param_names if n in own or self.pipeline is not None])
+        with self.coordinator.operation("full_grad_dict"):
+            reduced = self.gradients.full_grads()  # what the buckets hold: whole (all-gathered under ZeRO)
+            own = {}
+            for name, param in self.module.named_parameters():
+                grad = reduced.get(id(param), None if param.grad is None else local(param.grad))
+                if grad is not None:
+                    if isinstance(param, DTensor):
+                        grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False).full_tensor()
+                    own[name] = grad.detach()
+            return self._gather_stages(own, [n for n in self._param_names if n in own or self.pipeline is not None])
 
     def _gather_stages(self, own: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         """`own` (this rank's entries) completed with every pipeline stage's, in `keys` order."""
@@ -251,9 +339,23 @@ class ParallelModule(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a plain state dict (as `full_state_dict` returns): each rank keeps its shards."""
+        """Load a plain state dict (as `full_state_dict` returns): each rank keeps its shards.
+
+        Collective; every rank checks the dict it was given before anything changes, so a
+        dict that does not fit on one rank is the same `CheckpointError` on every rank."""
         own = self.module.state_dict()
-        expected = self._state_layout or {k: (tuple(v.shape),) for k, v in own.items()}
+        problem = None
+        try:
+            self._check_state_dict(state_dict, strict)
+        except CheckpointError as exc:
+            problem = exc
+        with self.coordinator.operation("load_full_state_dict", problem):
+            self._load_own(own, state_dict)
+
+    def _check_state_dict(self, state_dict: Any, strict: bool) -> None:
+        if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+            raise CheckpointError(f"a state dict maps names to tensors; got {type(state_dict).__name__}")
+        expected = self._state_layout or {k: (tuple(v.shape),) for k, v in self.module.state_dict().items()}
         missing = sorted(set(expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(expected))
         if strict and (missing or unexpected):
@@ -267,6 +369,9 @@ class ParallelModule(nn.Module):
                     f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)} "
                     f"but the model's is {expected[key][0]}"
                 )
+
+    @torch.no_grad()
+    def _load_own(self, own: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> None:
         with self._whole():
             for key in own.keys() & state_dict.keys():  # entries of this rank's stages
                 target, value = own[key], state_dict[key]
@@ -370,7 +475,38 @@ def parallelize(
     `Plan`, a dict (also veScale's form), a zoo name (`sw.plan.zoo`), a .json path, or
     None (replicate everything). `sample` (an example batch) is used by layouts that need
     shapes ahead of time.
+
+    Everything that can be wrong is checked on each rank first; then the ranks agree, so a
+    problem found on any rank (a plan file missing on one machine, a different model on
+    one rank) is the same error on every rank before any group is created.
     """
+    config = config if config is not None else ParallelConfig()
+    timeout_s = config.timeout_s if isinstance(config, ParallelConfig) else ParallelConfig.timeout_s
+    init_distributed(timeout=timedelta(seconds=timeout_s))
+    problem, checked = None, None
+    try:
+        checked = _check_locally(module, config, plan, sample)
+    except ShardwiseError as exc:
+        problem = exc
+    except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
+        problem = ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch: {exc}")
+        problem.__cause__ = exc
+    lines = _model_signature(module, config, checked[0] if checked else None) if problem is None else []
+    coordinator = world_coordinator(timeout_s)
+    coordinator.agree("parallelize", problem, fingerprints=[Fingerprint(
+        fingerprint_of(lines), lambda: lines, ModelError,
+        "Every rank must build the same model with the same config and plan (same seed-independent "
+        "architecture and shapes); check rank-dependent code before sw.parallelize")])
+    chosen, resolved, layout = checked
+    if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
+        config = _without_zero(config)  # dp * cp == 1
+    topology = Topology(config)
+    with coordinator.body("parallelize"):
+        return _build(module, topology, chosen, resolved, layout, sample)
+
+
+def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any):
+    """Every check `parallelize` can make without communicating: (plan, resolved plan, stage layout)."""
     if isinstance(module, ParallelModule):
         raise ModelError("module is already a ParallelModule; pass the original module to parallelize")
     if not isinstance(module, nn.Module):
@@ -380,21 +516,37 @@ def parallelize(
             f"{type(module).__name__} has no trainable parameters (none, or all requires_grad=False); "
             "shardwise parallelizes training, so give the module at least one parameter that requires grad"
         )
-    config = config if config is not None else ParallelConfig()
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be a sw.ParallelConfig, got {type(config).__name__}")
     for name, limit in _SUPPORTED.items():
         if getattr(config, name) > limit:
             raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
+    check_materializable(module)
     chosen = as_plan(plan, config)
-    resolved = resolve_plan(chosen, module, config.tp)  # all plan errors before any collective
+    resolved = resolve_plan(chosen, module, config.tp)
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
+    config.resolve(dist.get_world_size())
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
-    init_distributed(timeout=timedelta(seconds=config.timeout_s))
-    if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
-        config = _without_zero(config)  # dp * cp == 1
-    topology = Topology(config)
+    return chosen, resolved, layout
+
+
+def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | None) -> list[str]:
+    """What every rank must share: the module's class, every parameter's and buffer's name,
+    shape and dtype, the config and the plan (one line each, compared across ranks)."""
+    lines = [f"module {type(module).__qualname__}", f"config {config.describe()}",
+             f"plan {plan.to_json() if plan is not None else None}"]
+    for name, param in module.named_parameters(remove_duplicate=False):
+        lines.append(f"parameter {name} of shape {tuple(param.shape)} {param.dtype}"
+                     + ("" if param.requires_grad else " (frozen)"))
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        lines.append(f"buffer {name} of shape {tuple(buffer.shape)} {buffer.dtype}")
+    return lines
+
+
+def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: ResolvedPlan,
+           layout: StageLayout | None, sample: Any) -> ParallelModule:
+    """Apply the executors in order; every rank runs the same steps (agreed by parallelize)."""
     config = topology.config
     pmodel = ParallelModule(module, topology, chosen, resolved)
     first_name: dict[int, str] = {}

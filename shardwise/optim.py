@@ -27,11 +27,17 @@ class ParallelOptimizer:
     _pmodel: ParallelModule
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        self._pmodel.finish_gradient_sync()
-        self._pmodel.masters.load_grads()
-        result = super().step(closure)  # type: ignore[misc]
-        self._pmodel.masters.write_back()
-        return result
+        pmodel = self._pmodel
+        pending = pmodel.gradients.pending
+        with pmodel.collective("optimizer.step", communicates=pending or pmodel.config.zero > 0) as ready:
+            if pending:
+                ready()
+                pmodel.gradients.finish()
+                pmodel._after_sync()
+            pmodel.masters.load_grads()
+            result = super().step(closure)  # type: ignore[misc]
+            pmodel.masters.write_back(before_collectives=ready)
+            return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pmodel.zero_grad(set_to_none)
@@ -43,12 +49,17 @@ class ParallelOptimizer:
         The norm is that of all gradients as one vector, every shard and stage counted once:
         what `torch.nn.utils.clip_grad_norm_` returns on one process.
         """
-        self._pmodel.finish_gradient_sync()
-        total = self._pmodel.masters.gradient_norm(norm_type)
-        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for grad in self._pmodel.masters.grads():
-            grad.mul_(coefficient.to(grad.dtype))
-        return total
+        pmodel = self._pmodel
+        with pmodel.collective("clip_grad_norm") as ready:
+            if pmodel.gradients.pending:
+                ready()
+                pmodel.gradients.finish()
+                pmodel._after_sync()
+            total = pmodel.masters.gradient_norm(norm_type, before_collectives=ready)
+            coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+            for grad in self._pmodel.masters.grads():
+                grad.mul_(coefficient.to(grad.dtype))
+            return total
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every (synchronized) gradient by `factor`."""

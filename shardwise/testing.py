@@ -63,7 +63,7 @@ def run_on_ranks(
     timeout: float = 300.0,
     collective_timeout: float | None = None,
     backend: str = "gloo",
-    threads: int | None = None,
+    threads: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` local ranks and return their results.
@@ -72,12 +72,13 @@ def run_on_ranks(
     Each worker has torch.distributed initialized (`backend`, default gloo) with
     RANK/WORLD_SIZE/LOCAL_RANK set as torchrun would, so `sw.init_distributed()` is a no-op.
     Collectives time out after `collective_timeout` seconds (default: min(timeout, 120));
-    the whole run after `timeout` seconds. Returns the results in rank order.
+    the whole run after `timeout` seconds. Each rank runs torch with `threads` intra-op
+    threads (default 1: ranks are processes on one machine, and results then do not depend on
+    how many cores it has). Returns the results in rank order.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     collective_timeout = collective_timeout or min(timeout, 120.0)
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     # Standard pickling copies tensors; multiprocessing's own would share them through file
     # descriptors that die with the worker that sent them.
     call = pickle.dumps((fn, args, kwargs))
@@ -127,9 +128,30 @@ def _collect(procs, results, timeout: float) -> list[Any]:
                 ) from None
             continue
         if not ok:
-            raise RankFailedError(f"rank {rank} of {world_size} raised:\n{payload}")
+            _raise_failure(procs, done, results, rank, payload)
         done[rank] = payload
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+def _raise_failure(procs, done, results, rank: int, payload: str, grace: float = 2.0) -> None:
+    """Raise for rank `rank`'s error, unless a rank died without reporting: its peers' errors
+    are then the consequence (a closed connection), and the dead rank is the cause."""
+    deadline = time.monotonic() + grace
+    reported = set(done) | {rank}
+    while True:
+        try:  # reports still queued: those ranks did not die silently
+            while True:
+                reported.add(results.get(timeout=0.05)[0])
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+        if dead or len(reported) == len(procs) or time.monotonic() > deadline:
+            break
+    if dead:
+        codes = ", ".join(f"rank {r} with exit code {procs[r].exitcode}" for r in dead)
+        raise RankFailedError(f"{codes} of {len(procs)} died before returning a result; "
+                              f"then rank {rank} raised:\n{payload}")
+    raise RankFailedError(f"rank {rank} of {len(procs)} raised:\n{payload}")
 
 
 def _check_alive(procs, done, results) -> None:
@@ -144,6 +166,6 @@ def _check_alive(procs, done, results) -> None:
                 f"rank {rank} of {len(procs)} died with exit code {proc.exitcode} before returning a result"
             ) from None
         if not ok:
-            raise RankFailedError(f"rank {other} of {len(procs)} raised:\n{payload}")
+            _raise_failure(procs, done, results, other, payload)
         done[other] = payload
         return

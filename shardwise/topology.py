@@ -23,21 +23,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig
+from .coordination import Coordinator
 from .errors import ShardwiseError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest-varying first
 
 
-def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(minutes=10)) -> None:
+def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(minutes=3)) -> None:
     """Initialize torch.distributed once; later calls do nothing.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-    Without it, starts a world of one process. The backend is NCCL when CUDA is available,
-    gloo otherwise, unless `backend` names one.
+    Without it, starts a world of one process. The backend is NCCL for CUDA tensors (with
+    gloo beside it for the small CPU messages ranks agree with) when CUDA is available, gloo
+    otherwise, unless `backend` names one.
     """
     if dist.is_initialized():
         return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -112,6 +114,9 @@ class Topology:
         self.mesh = DeviceMesh.from_group(
             per_dim, self.device.type, mesh=self.grid, mesh_dim_names=MESH_DIMS
         )
+        # Its own CPU group: agreements of one topology never pair with another's collectives.
+        control = dist.new_group(list(range(self.world_size)), timeout=self.timeout, backend="gloo")
+        self.coordinator = Coordinator(control, self.config.timeout_s)
 
     # coordinates -------------------------------------------------------------------
     @property
@@ -173,6 +178,14 @@ class Topology:
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key[1:]), timeout=self.timeout, use_local_synchronization=True)
         return self._groups[key]
+
+    def peer_groups(self, *dims: str) -> list[list[int]]:
+        """Every group spanned by `dims` (all of them, not only this rank's)."""
+        return group_family(self.grid, dims)
+
+    def wait(self, work: dist.Work | None, what: str, group: dist.ProcessGroup) -> None:
+        """Wait for a collective of this topology, naming stalled or failed peers on failure."""
+        self.coordinator.wait(work, what, group)
 
     def describe(self) -> str:
         shape = " × ".join(f"{d} {self.sizes[d]}" for d in MESH_DIMS)

@@ -226,7 +226,7 @@ def test_sharding_a_module_without_a_rule():
 
 
 def _undeclared_sequence_shards():
-    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(sequence_parallel=True))
+    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2, sequence_parallel=True))
     del plan.activations["layers.*.ln2.input"]  # ln2 runs on sequence shards, but the plan no longer says so
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan=plan)
     try:

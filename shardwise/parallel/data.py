@@ -158,6 +158,7 @@ class GradientBuckets:
         self.stats = CommStats()
         self.pre_hooks: list = []  # called on each bucket's gradients before its collective
         self.post_hooks: list = []  # called on the reduced gradients (buffer, or shard under ZeRO) after it
+        self.coordinator = None  # names stalled or failed peers when a wait cannot finish
         self.unused: set[int] = set()  # ids of parameters no replica produced a gradient for last sync
 
         def dtype(p: nn.Parameter) -> torch.dtype:
@@ -180,6 +181,7 @@ class GradientBuckets:
         self._index = {p: i for i, p in enumerate(params)}
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.sync_enabled = True
+        self.has_grads = False  # reduced gradients exist: a sync ran since zero_grad(set_to_none=True)
         self.auto_finish = True  # finish at the end of each synchronized backward
         self._reset_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slot]
@@ -195,6 +197,9 @@ class GradientBuckets:
         self._dirty = False  # gradients accumulated since the last sync
         self._callback_queued = False
         self._scalars: torch.Tensor | None = None
+        # this replica's share relative to an equal one (n_replica * replicas / n_total): 1.0
+        # unless train_step's replicas hold different numbers of samples
+        self.replica_weight = 1.0
         self._side: torch.Tensor | None = None
         self._side_work: dist.Work | None = None
         for bucket in self.buckets:
@@ -240,6 +245,11 @@ class GradientBuckets:
     def _finish_after_backward(self) -> None:
         self.finish()
 
+    @property
+    def pending(self) -> bool:
+        """Gradients accumulated (or scalars staged) since the last synchronization."""
+        return self._dirty or self._scalars is not None
+
     def stage_scalars(self, scalars: torch.Tensor) -> None:
         """Scalars (at most SCALAR_SLOTS) to average with this step's gradients.
 
@@ -267,7 +277,7 @@ class GradientBuckets:
         reduce = bucket.reduce
         for hook in self.pre_hooks:
             hook(bucket.grads)
-        bucket.buffer.mul_(reduce.scale)
+        bucket.buffer.mul_(reduce.scale * self.replica_weight)
         if bucket.tail.numel():  # the last bucket: mask and scalars ride along
             bucket.tail.copy_(self._side_values(reduce.size))
         if bucket.sharded:
@@ -287,7 +297,7 @@ class GradientBuckets:
 
         Returns the mean over replicas of the scalars staged with `stage_scalars`, if any.
         """
-        if not self._dirty and self._scalars is None:
+        if not self.pending:
             return None
         if not self.buckets:  # nothing to reduce: gradients are already final
             scalars = self._scalars
@@ -297,13 +307,16 @@ class GradientBuckets:
             self._launch(bucket)
         for bucket in self.buckets:
             op = "reduce-scatter" if bucket.sharded else "all-reduce"
-            wait(bucket.work, f"{op} of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", bucket.reduce.group)
+            wait(bucket.work, f"{op} of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", bucket.reduce.group,
+                 self.coordinator)
             for hook in self.post_hooks:
                 hook(bucket.grad_shard if bucket.sharded else bucket.grads)
-        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.replicas.group)
+        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.replicas.group,
+             self.coordinator)
         n = len(self.params)
         side = self.buckets[-1].tail if self._tail_in_bucket else self._side
         self.unused = set()
+        self.has_grads = True
         if not all(self._used[self._index[p]] for p in self._slot):
             used_anywhere = self._used if side is None else side[:n].tolist()
             self.unused = {id(p) for p in self._slot if not used_anywhere[self._index[p]]}
@@ -359,6 +372,8 @@ class GradientBuckets:
         With `set_to_none` (the default) each `.grad` becomes None and the next backward's
         gradient is moved into its bucket once; otherwise buckets are zeroed in place.
         """
+        if set_to_none:
+            self.has_grads = False
         for param in self.params:
             if set_to_none:
                 param.grad = None
@@ -424,6 +439,7 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
             unit_of.setdefault(id(param), i)
     buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=config.zero,
                               reduce_dtype=config.reduce_dtype or config.param_dtype, unit_of=unit_of)
+    buckets.coordinator = topology.coordinator
     state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
     for group in dict.fromkeys(g for p, g in zip(params, groups) if id(p) in tied_ids):  # tied copies start equal

@@ -77,7 +77,8 @@ class ParameterShards:
             self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
                                                         async_op=True)
         if wait_now and id(bucket) in self._works:
-            wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group)
+            wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
+                 self.gradients.coordinator)
             self._gathered.add(id(bucket))
 
     def _release(self, bucket: Bucket) -> None:

@@ -83,7 +83,7 @@ class MasterWeights:
         master = fp32.detach().clone()
         if where is not None and where[0].main_grad:  # reduced into a float32 bucket view
             bucket, i = where
-            grad = lambda: None if id(param) in self.gradients.unused or bucket.buffer is None else bucket.views[i]
+            grad = lambda: bucket.views[i] if self._has_grad(param) and bucket.buffer is not None else None
         else:
             grad = lambda: None if param.grad is None else local(param.grad).float()
         return Piece(param, master, grad, lambda: target.data.copy_(master), counted, **whole)
@@ -94,10 +94,8 @@ class MasterWeights:
         lo, hi = max(first, start), min(last, end)
         if lo >= hi:
             return
-        unused = self.gradients.unused
-
         def grad(lo=lo, hi=hi):
-            return None if id(param) in unused else bucket.grad_shard[lo - start: hi - start]
+            return bucket.grad_shard[lo - start: hi - start] if self._has_grad(param) else None
 
         part = dict(model=lambda: _model_range(bucket, lo, hi), lo=lo - first, hi=hi - first)
         if fp32 is None:  # the optimizer updates the model's own shard in place
@@ -105,6 +103,11 @@ class MasterWeights:
         else:
             master = fp32.detach().reshape(-1)[lo - first: hi - first].clone()
             yield Piece(param, master, grad, lambda: part["model"]().copy_(master), counted, **part)
+
+    def _has_grad(self, param: nn.Parameter) -> bool:
+        """Whether one process would hold a gradient for `param` now: a synchronization ran
+        since the gradients were last set to None, and some replica used the parameter."""
+        return self.gradients.has_grads and id(param) not in self.gradients.unused
 
     def param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The user's parameter groups with each parameter replaced by its pieces."""
@@ -121,13 +124,14 @@ class MasterWeights:
         self._loaded = True
 
     @torch.no_grad()
-    def write_back(self) -> None:
+    def write_back(self, before_collectives: Callable[[], None] = lambda: None) -> None:
         """After a step: the model gets the updated values (all-gathered under ZeRO-1/2)."""
         for pieces in self.pieces.values():
             for piece in pieces:
                 if piece.write_back is not None:
                     piece.write_back()
         if self.zero:  # ZeRO-1/2: every buffer; ZeRO-3: those kept whole (outside any unit)
+            before_collectives()
             works = []
             for bucket in self.gradients.buckets:
                 if self.zero == 3 and bucket.param_buffer.untyped_storage().nbytes() == 0:
@@ -138,7 +142,8 @@ class MasterWeights:
                 works.append((all_gather_single(bucket.param_buffer, shard, group=bucket.reduce.group, async_op=True),
                               bucket))
             for work, bucket in works:
-                wait(work, f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group)
+                wait(work, f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
+                     self.topology.coordinator)
         self._loaded = False
 
     @torch.no_grad()
@@ -164,7 +169,7 @@ class MasterWeights:
         self.load_grads()
         return [local(p.master.grad) for ps in self.pieces.values() for p in ps if p.master.grad is not None]
 
-    def gradient_norm(self, norm_type: float) -> torch.Tensor:
+    def gradient_norm(self, norm_type: float, before_collectives: Callable[[], None] = lambda: None) -> torch.Tensor:
         """The global norm: every element of the model's gradient counted once, on one rank."""
         self.load_grads()
         grads = [local(p.master.grad) for ps in self.pieces.values() for p in ps
@@ -177,8 +182,10 @@ class MasterWeights:
             total = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
         total = total.reshape(1)
         if self.topology.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                            group=self.topology.group("pp", "dp", "cp", "tp"))
+            before_collectives()
+            world = self.topology.group("pp", "dp", "cp", "tp")
+            work = dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=world, async_op=True)
+            self.topology.wait(work, "all-reduce of the gradient norm", world)
         return total[0] if inf else total[0] ** (1.0 / norm_type)
 
     def state_bytes(self) -> int:

@@ -1,0 +1,390 @@
+"""Agreement between ranks before they communicate: one decision on every rank, in seconds.
+
+Every shardwise operation that communicates (parallelize, train_step, full_state_dict,
+checkpoints, ...) starts with `Coordinator.agree`: one all-gather, on a CPU (gloo) control
+group, of a fixed-size record per rank: which operation this rank is in and its sequence
+number, whether this rank met a problem before communicating (a bad file, a bad batch, a
+plan that does not resolve), a number to combine (a batch's sample count), and fingerprints
+that peers must share (the model's parameter shapes, the batch tensors' shapes and
+contents). From the gathered table every rank takes the same decision:
+- a problem on any rank becomes the same `ShardwiseError` on every rank, naming the rank
+  that found it, and nobody is left waiting in a collective the failing rank never joins;
+- ranks in different operations (`if rank == 0: pm.full_state_dict()`) pair up in this
+  one same-shaped collective, so both see the mismatch at once (a mismatched gloo
+  collective would abort the process; an NCCL one would hang);
+- fingerprints that differ between ranks that must agree are named, with the first
+  difference, before any data-dependent collective runs.
+
+While a rank waits for the others it polls: every second it reads the other ranks'
+beacons, small keys in the rendezvous store saying which operation each rank entered last,
+so a wait that cannot finish is named precisely (the rank that is behind, the operation it
+is in, a rank whose operation failed) and fails within the config's `timeout_s` at most.
+
+An exception that escapes an operation on one rank alone (a user's forward raising on one
+rank) leaves the others waiting inside that operation's collectives: this rank is then out
+of step, refuses further collective operations with that reason, and publishes it in its
+beacon so peers that poll can name it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .errors import CommunicationError, ShardwiseError
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
+              "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
+              "scale_grads", "finish_gradient_sync", "agree")
+FINGERPRINTS = 2  # fingerprint slots in a record
+FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
+POLL_S = 1.0
+
+
+def code(text: str) -> int:
+    """A stable 56-bit code for a string (operation names, fingerprints)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+_NAMES = {code(op): op for op in OPERATIONS}
+
+
+class AgreedError(ShardwiseError):
+    """Marker mixed into errors raised by an agreement: every rank raised the same one."""
+
+
+@functools.lru_cache(maxsize=None)
+def _agreed_class(cls: type[ShardwiseError]) -> type[ShardwiseError]:
+    return type(cls.__name__, (cls, AgreedError), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _agreed(cls: type[ShardwiseError], message: str) -> ShardwiseError:
+    """An instance of `cls` that also says it was raised on every rank alike."""
+    return _agreed_class(cls)(message)
+
+
+def error_class(name: str) -> type[ShardwiseError]:
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, ShardwiseError) else ShardwiseError
+
+
+@dataclass
+class Fingerprint:
+    """Something ranks must share, as a code; on a mismatch, `describe()` gives the lines
+    compared to name the first difference, raised as `error` with `hint` (the fix)."""
+
+    value: int
+    describe: Callable[[], list[str]]
+    error: type[ShardwiseError]
+    hint: str
+    peers: Sequence[Sequence[int]] | None = None  # groups of global ranks that must agree; None: all
+
+
+def fingerprint_of(lines: list[str]) -> int:
+    return code("\n".join(lines))
+
+
+@dataclass
+class Agreement:
+    """What every rank learned: one row of `FIELDS` per rank of the control group."""
+
+    table: torch.Tensor  # (ranks, len(FIELDS)) int64
+
+    def values(self) -> list[int]:
+        return self.table[:, FIELDS.index("value")].tolist()
+
+
+@dataclass
+class PendingAgreement:
+    """An agreement whose records are still being gathered (`Coordinator.begin`)."""
+
+    coordinator: "Coordinator"
+    op: str
+    problem: BaseException | None
+    fingerprints: Sequence[Fingerprint]
+    table: torch.Tensor
+    work: Any
+    settled: Agreement | None = None
+
+    def result(self) -> Agreement:
+        """Wait for every rank's record and decide (raising the agreed error, if any)."""
+        if self.settled is None:
+            self.settled = self.coordinator._settle(self)
+        return self.settled
+
+
+def default_store() -> Any | None:
+    """The rendezvous store of the default process group, for beacons (None if unreachable)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+class Coordinator:
+    """Agreements and beacons over one control group (every rank of a world or topology)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, store: Any | None = None):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank()
+        self.index = self.ranks.index(self.rank)
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self.out_of_step: str | None = None  # why this rank can no longer take part in collectives
+        self.current = "idle"
+        base = store if store is not None else default_store()
+        self.store = dist.PrefixStore("shardwise/beacon/", base) if base is not None else None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    # beacons ---------------------------------------------------------------------------
+    def _beacon(self, state: str) -> None:
+        self.current = state
+        if self.store is None or self.size == 1:
+            return
+        try:
+            self.store.set(str(self.rank), f"{state} ({time.strftime('%H:%M:%S')})")
+        except RuntimeError:
+            pass  # the store is gone (the world is ending): diagnosis only
+
+    def beacons(self, ranks: Sequence[int] | None = None) -> dict[int, str]:
+        """Rank -> what it last reported (ranks that never reported are absent)."""
+        if self.store is None:
+            return {}
+        found = {}
+        for rank in ranks if ranks is not None else self.ranks:
+            try:
+                if self.store.check([str(rank)]):
+                    found[rank] = self.store.get(str(rank)).decode()
+            except RuntimeError:
+                break
+        return found
+
+    def _diagnosis(self, ranks: Sequence[int]) -> str:
+        others = {r: s for r, s in self.beacons(ranks).items() if r != self.rank}
+        silent = [r for r in ranks if r != self.rank and r not in others]
+        parts = [f"rank {r}: {s}" for r, s in sorted(others.items())]
+        if silent:
+            parts.append(f"ranks {silent}: no report")
+        return "; ".join(parts) if parts else "no other rank reported"
+
+    def failed_peers(self, ranks: Sequence[int]) -> dict[int, str]:
+        return {r: s for r, s in self.beacons(ranks).items() if r != self.rank and s.startswith("out of step")}
+
+    # waiting ---------------------------------------------------------------------------
+    def wait(self, work: dist.Work | None, what: str, group: dist.ProcessGroup, deadline_s: float | None = None) -> None:
+        """Wait for an async collective; fail with a `CommunicationError` that names the
+        operation and what the other ranks reported, as soon as a peer is known to have
+        failed, and at the latest after `deadline_s` (default: the timeout)."""
+        if work is None:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=max(0.01, min(POLL_S, deadline - time.monotonic()))))
+                return
+            except RuntimeError as exc:
+                polled = "Operation timed out!" in str(exc)
+                if not polled:
+                    self._leave_step(f"{what} failed")
+                    cause = (f"not every rank joined within timeout_s={self.timeout_s:g}s"
+                             if "Timed out waiting" in str(exc) else _short(exc))
+                    raise CommunicationError(
+                        f"rank {self.rank}: {what} over ranks {ranks} failed: {cause}. "
+                        f"Last reports of the other ranks: {self._diagnosis(ranks)}"
+                    ) from exc
+            failed = self.failed_peers(ranks)
+            if failed or time.monotonic() >= deadline:
+                self._leave_step(f"{what} did not complete")
+                cause = ("a peer failed" if failed else
+                         f"not every rank joined within timeout_s={self.timeout_s:g}s")
+                raise CommunicationError(
+                    f"rank {self.rank}: {what} over ranks {ranks} cannot complete: {cause}. "
+                    f"Last reports of the other ranks: {self._diagnosis(ranks)}"
+                )
+
+    def _leave_step(self, reason: str) -> None:
+        if self.out_of_step is None:
+            self.out_of_step = reason
+        self._beacon(f"out of step: {reason}")
+
+    # agreement -------------------------------------------------------------------------
+    def agree(self, op: str, problem: BaseException | None = None, *, value: int = 0,
+              fingerprints: Sequence[Fingerprint] = ()) -> Agreement:
+        """Every rank calls this at the same point of the same operation `op`.
+
+        Raises the same error on every rank if any rank passes a `problem`, if ranks are in
+        different operations, or if a fingerprint differs between ranks that must share it.
+        Returns the gathered records (e.g. every rank's `value`).
+        """
+        return self.begin(op, problem, value=value, fingerprints=fingerprints).result()
+
+    def begin(self, op: str, problem: BaseException | None = None, *, value: int = 0,
+              fingerprints: Sequence[Fingerprint] = ()) -> "PendingAgreement":
+        """`agree` in two halves: the records are gathered while the caller does local work;
+        `result()` must come before the operation's first collective."""
+        if self.out_of_step is not None:
+            raise CommunicationError(
+                f"rank {self.rank} cannot start {op}: an earlier operation did not finish on every rank "
+                f"({self.out_of_step}), so the ranks are out of step. Restart every process"
+            )
+        if len(fingerprints) > FINGERPRINTS:
+            raise ValueError(f"at most {FINGERPRINTS} fingerprints per agreement")
+        if self.size == 1 and problem is not None:
+            raise problem
+        self.seq += 1
+        self._beacon(f"last entered {op} #{self.seq}")
+        codes = [f.value for f in fingerprints] + [0] * (FINGERPRINTS - len(fingerprints))
+        record = torch.tensor([code(op), self.seq, 1 if problem is not None else 0, int(value), *codes],
+                              dtype=torch.int64)
+        table, work = record.view(1, -1), None
+        if self.size > 1:
+            table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
+            work = all_gather_single(table, record, group=self.group, async_op=True)
+        return PendingAgreement(self, op, problem, fingerprints, table, work)
+
+    def _settle(self, pending: "PendingAgreement") -> Agreement:
+        op = pending.op
+        table = pending.table
+        if pending.work is not None:
+            self.wait(pending.work, f"{op} #{self.seq} (its opening agreement)", self.group)
+            table = table.view(self.size, len(FIELDS))
+        self._check_same_operation(op, table)
+        flagged = table[:, FIELDS.index("problem")].nonzero().flatten().tolist()
+        if flagged:
+            self._raise_problem(op, pending.problem, flagged)
+        for slot, fingerprint in enumerate(pending.fingerprints):
+            self._check_fingerprint(op, table[:, FIELDS.index(f"fingerprint{slot}")].tolist(), fingerprint)
+        return Agreement(table)
+
+    @contextlib.contextmanager
+    def body(self, op: str) -> Iterator[None]:
+        """The part of an operation after its agreement: an exception that escapes it on this
+        rank (other than an agreed one, raised everywhere) puts this rank out of step."""
+        try:
+            yield
+        except AgreedError:
+            raise
+        except BaseException as exc:
+            if self.size > 1:
+                self._leave_step(f"{op} #{self.seq} raised {type(exc).__name__}: {_short(exc)}")
+            raise
+
+    @contextlib.contextmanager
+    def operation(self, op: str, problem: BaseException | None = None, **checks: Any) -> Iterator[Agreement]:
+        """`agree`, then `body`."""
+        agreement = self.agree(op, problem, **checks)
+        with self.body(op):
+            yield agreement
+
+    def _check_same_operation(self, op: str, table: torch.Tensor) -> None:
+        ops = table[:, FIELDS.index("op")].tolist()
+        seqs = table[:, FIELDS.index("seq")].tolist()
+        if len(set(ops)) == 1 and len(set(seqs)) == 1:
+            return
+        self._leave_step(f"ranks called different operations at {op} #{self.seq}")
+        calls = {}
+        for rank, c, s in zip(self.ranks, ops, seqs):
+            calls.setdefault(f"{_NAMES.get(c, hex(c))} (call #{s})", []).append(rank)
+        listed = "; ".join(f"ranks {r} called {what}" for what, r in calls.items())
+        raise _agreed(CommunicationError,
+                      f"collective operations must be called on every rank in the same order, but {listed}. "
+                      f"{op} is collective: call it on every rank (e.g. not under `if rank == 0`)")
+
+    def _raise_problem(self, op: str, problem: BaseException | None, flagged: list[int]) -> None:
+        first = self.ranks[flagged[0]]
+        box = [None]
+        if self.rank == first:
+            box = [(_base_class_name(problem), str(problem)) if isinstance(problem, ShardwiseError)
+                   else ("ShardwiseError", f"{type(problem).__name__}: {problem}")]
+        self._broadcast_object(box, first, op)
+        name, text = box[0]
+        where = f"rank {first}" if len(flagged) == 1 else f"ranks {[self.ranks[i] for i in flagged]}, first {first}"
+        error = _agreed(error_class(name), f"{text} (found on {where}, raised on every rank)")
+        if problem is not None:
+            raise error from problem
+        raise error
+
+    def _check_fingerprint(self, op: str, codes: list[int], fingerprint: Fingerprint) -> None:
+        column = dict(zip(self.ranks, codes))
+        groups = fingerprint.peers if fingerprint.peers is not None else [self.ranks]
+        bad = next((list(g) for g in groups if len({column[r] for r in g}) > 1), None)
+        if bad is None:
+            return
+        gathered: list[Any] = [None] * self.size
+        self._gather_object(gathered, fingerprint.describe(), op)
+        by_rank = dict(zip(self.ranks, gathered))
+        reference = bad[0]
+        differing = [r for r in bad if column[r] != column[reference]]
+        ours, theirs = by_rank[reference], by_rank[differing[0]]
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        first = ours[at] if at < len(ours) else "(nothing more)"
+        second = theirs[at] if at < len(theirs) else "(nothing more)"
+        raise _agreed(fingerprint.error,
+                      f"ranks {bad} must agree at {op}, but rank {differing[0]} differs from rank {reference}"
+                      + (f" (so do ranks {differing[1:]})" if len(differing) > 1 else "")
+                      + f": rank {reference} has {first}, rank {differing[0]} has {second}. {fingerprint.hint}")
+
+    # object collectives on the control group, with the same timeout handling ------------------
+    def _broadcast_object(self, box: list, src: int, op: str) -> None:
+        try:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        except RuntimeError as exc:
+            self._leave_step(f"{op}: broadcast failed")
+            raise CommunicationError(f"rank {self.rank}: {op}: sharing rank {src}'s error failed: {_short(exc)}") from exc
+
+    def _gather_object(self, out: list, obj: Any, op: str) -> None:
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            self._leave_step(f"{op}: gather failed")
+            raise CommunicationError(f"rank {self.rank}: {op}: comparing ranks failed: {_short(exc)}") from exc
+
+
+def _base_class_name(error: ShardwiseError) -> str:
+    """The public error class of `error` (agreed errors are dynamic subclasses)."""
+    for cls in type(error).__mro__:
+        if cls.__module__ == errors.__name__ and cls is not AgreedError:
+            return cls.__name__
+    return "ShardwiseError"
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return "a peer closed its connection (its process ended or crashed)"
+    if "Timed out waiting" in text:
+        return "a peer did not answer within the group's timeout"
+    return text[:400]
+
+
+def world_coordinator(timeout_s: float) -> Coordinator:
+    """A coordinator over the default group (which must carry CPU tensors: gloo, or a
+    "cpu:gloo,cuda:nccl" default group as `init_distributed` makes)."""
+    return Coordinator(control_group(dist.group.WORLD, timeout_s), timeout_s)
+
+
+def control_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """`group` itself when it carries CPU tensors, else a gloo group of the same ranks."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s))
