@@ -17,6 +17,8 @@ before saving, which defeats ZeRO's memory savings.
 
 from __future__ import annotations
 
+import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -67,18 +69,62 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
     """Save `pmodel` (and `optimizer`, and a picklable `extra`) under directory `path`.
 
     Collective. Atomic: until the save completes, `path` keeps presenting the previous
-    checkpoint. Returns the directory of the new version.
+    checkpoint. A failure on any rank (an unwritable directory, a full disk, a directory
+    another rank cannot see) is the same `CheckpointError` on every rank, the previous
+    checkpoint stays the latest, and training can go on. Returns the directory of the new
+    version.
     """
     topology = pmodel.topology
-    world = topology.group(*MESH_DIMS)
+    coordinator = topology.coordinator
     path = Path(path)
-    box = [uuid.uuid4().hex[:12] if topology.rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(world, 0), group=world)
-    staging = path / f"v-{box[0]}.tmp"
+    staging, problem = None, None
+    token = uuid.uuid4().int >> 72  # 56 bits: rank 0's names the version
     if topology.rank == 0:
-        staging.mkdir(parents=True)
-    dist.barrier(group=world)
+        staging = path / f"v-{token:014x}.tmp"
+        problem = _attempt(lambda: staging.mkdir(parents=True), f"cannot create checkpoint directory {str(staging)!r}")
+    agreement = coordinator.agree("save_checkpoint", problem, value=token)
+    staging = path / f"v-{agreement.values()[0]:014x}.tmp"
+    with coordinator.body("save_checkpoint"):
+        writer = _collect(pmodel, optimizer)
+        problem = None
+        if not staging.is_dir():
+            problem = CheckpointError(f"rank {topology.rank} does not see {str(staging)!r}, which rank 0 created: "
+                                      "checkpoints need a directory every rank shares (a shared filesystem)")
+        crc = 0
+        if problem is None:
+            crc_box = []
+            groups = _group_names(pmodel, optimizer)
+            problem = _attempt(lambda: crc_box.append(writer.write(staging, topology.rank, {"groups": groups})),
+                               f"cannot write rank {topology.rank}'s checkpoint file in {str(staging)!r}")
+            crc = crc_box[0] if crc_box else 0
+    try:
+        agreement = coordinator.agree("save_checkpoint/write", problem, value=crc)
+    except CheckpointError:
+        _discard(topology, staging)
+        raise
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    problem = None
+    if topology.rank == 0:
+        meta = {
+            "format": FORMAT, "world_size": topology.world_size, "layout": topology.sizes,
+            "config": {k: str(v) for k, v in vars(pmodel.config).items()}, "plan": pmodel.plan.to_dict(),
+            "steps": pmodel.steps, "state_keys": list(pmodel._state_shapes), "aliases": pmodel._aliases,
+            "optimizer": optimizer is not None, "files": {str(r): c for r, c in enumerate(agreement.values())},
+        }
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+        problem = _attempt(lambda: publish(path, staging, meta, {"param_groups": hyper, "extra": extra}),
+                           f"cannot publish the checkpoint in {str(path)!r}")
+    try:
+        coordinator.agree("save_checkpoint/publish", problem)
+    except CheckpointError:
+        _discard(topology, staging)
+        raise
+    return final
 
+
+def _collect(pmodel, optimizer) -> RankWriter:
+    """The regions this rank owns: model values, master weights, optimizer state, buffers, RNG."""
+    topology = pmodel.topology
     writer = RankWriter()
     for name, piece in _pieces(pmodel):
         if not piece.counted:
@@ -103,26 +149,36 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
     for name, buffer in _buffers(pmodel).items():
         if owner:
             writer.add(f"buffer/{name}", tuple(buffer.shape), tuple((0, s) for s in buffer.shape), buffer)
-    writer.tensors["rng/cpu"] = torch.get_rng_state()
+    writer.add_raw("rng/cpu", torch.get_rng_state())
     if torch.cuda.is_available():
-        writer.tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    groups = [[pmodel._aliases.get(n, n) for n, p in pmodel.module.named_parameters() if any(
+        writer.add_raw("rng/cuda", torch.cuda.get_rng_state())
+    return writer
+
+
+def _group_names(pmodel, optimizer) -> list[list[str]]:
+    """Each optimizer parameter group's parameters, by canonical name."""
+    if optimizer is None:
+        return []
+    return [[pmodel._aliases.get(n, n) for n, p in pmodel.module.named_parameters() if any(
         piece.master is m for piece in pmodel.masters.pieces.get(id(p), []) for m in g["params"])]
-              for g in optimizer.param_groups] if optimizer is not None else []
-    writer.write(staging, topology.rank, {"groups": groups})
-    dist.barrier(group=world)
-    final = staging.with_name(staging.name.removesuffix(".tmp"))
+            for g in optimizer.param_groups]
+
+
+def _attempt(action, what: str) -> CheckpointError | None:
+    """Run a filesystem action; its failure as a CheckpointError naming `what` and the cause."""
+    try:
+        action()
+    except OSError as exc:
+        return CheckpointError(f"{what}: {exc.strerror or exc}")
+    except CheckpointError as exc:
+        return exc
+    return None
+
+
+def _discard(topology, staging: Path) -> None:
+    """After a failed save: drop its staging directory (rank 0), leaving the previous version."""
     if topology.rank == 0:
-        meta = {
-            "format": FORMAT, "world_size": topology.world_size, "layout": topology.sizes,
-            "config": {k: str(v) for k, v in vars(pmodel.config).items()}, "plan": pmodel.plan.to_dict(),
-            "steps": pmodel.steps, "state_keys": list(pmodel._state_shapes), "aliases": pmodel._aliases,
-            "optimizer": optimizer is not None,
-        }
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-        publish(path, staging, meta, {"param_groups": hyper, "extra": extra})
-    dist.barrier(group=world)
-    return final
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
@@ -130,63 +186,76 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
 
     Collective. `path` may also be a plain state dict file (.safetensors or .pt), e.g. one
     written by `merge_checkpoint` or by a single-process run. Everything is read and checked
-    before anything is changed, on every rank: a bad checkpoint changes nothing.
+    (every chunk against its checksum, by one rank each) before anything is changed, and the
+    ranks agree: a checkpoint that is bad on any rank, or missing from one rank's disk, is
+    the same `CheckpointError` on every rank and changes nothing.
     """
     path = Path(path)
-    if path.is_file():
-        pmodel.load_full_state_dict(_read_state_dict(path))
-        return None
-    reader = Reader(latest(path))
     topology = pmodel.topology
+    if path.is_file():
+        state, problem = None, None
+        try:
+            state = _read_state_dict(path)
+        except CheckpointError as exc:
+            problem = exc
+        topology.coordinator.agree("load_checkpoint", problem)
+        pmodel.load_full_state_dict(state)
+        return None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
-    problem = None
+    reader, problem = None, None
     try:
+        reader = Reader(latest(path))
         _check_same_model(reader, pmodel, optimizer)
         reader.validate(range(topology.rank, reader.meta["world_size"], topology.world_size))  # each file, by one rank
-        for name, piece in _pieces(pmodel):
-            model = piece.model()
-            value, master = torch.empty_like(model), None
-            if piece.write_back is not None:
-                master = torch.empty_like(piece.master.reshape(-1))
-            optim_keys = [k for k in reader.keys if k.startswith(f"optim/{name}/")] if optimizer is not None else []
-            state = {k.rsplit("/", 1)[1]: torch.empty(piece.hi - piece.lo, dtype=getattr(torch, reader.keys[k]["dtype"]),
-                                                      device=model.device)
-                     for k in optim_keys if reader.keys[k]["shape"]}
-            for g, a, b, rect, sub in _regions(pmodel, piece):
-                _part(value, a, b, rect, sub).copy_(reader.read(f"model/{name}", g))
-                if master is not None:
-                    source = f"master/{name}" if f"master/{name}" in reader.keys else f"model/{name}"
-                    _part(master, a, b, rect, sub).copy_(reader.read(source, g))
-                for key, tensor in state.items():
-                    _part(tensor, a, b, rect, sub).copy_(reader.read(f"optim/{name}/{key}", g))
-            staged.append((model, value))
-            if master is not None:
-                staged.append((piece.master.reshape(-1), master))
-            if optimizer is not None:
-                scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
-                           if not reader.keys[k]["shape"]}
-                states[id(piece.master)] = (piece.master, {**{k: _like(piece.master, v) for k, v in state.items()},
-                                                           **scalars})
-        for name, buffer in _buffers(pmodel).items():
-            staged.append((buffer, reader.read(f"buffer/{name}", tuple((0, s) for s in buffer.shape))))
+        _stage(reader, pmodel, optimizer, staged, states)
     except CheckpointError as exc:
-        problem = str(exc)
-    _agree(pmodel, problem)
+        problem = exc
+    topology.coordinator.agree("load_checkpoint", problem)
 
-    with torch.no_grad():  # commit: every rank has everything it needs
+    with topology.coordinator.body("load_checkpoint"), torch.no_grad():  # commit: every rank has what it needs
         for target, value in staged:
             target.copy_(value.to(target.device, target.dtype))
-    if optimizer is not None:
-        for master, state in states.values():
-            optimizer.state[master] = state
-        for group, saved in zip(optimizer.param_groups, reader.saved["param_groups"]):
-            group.update(saved)
-    pmodel.masters.write_back()  # ZeRO: whole parameters from the loaded shards
-    pmodel.steps = reader.meta["steps"]
-    if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
-        _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
+        if optimizer is not None:
+            for master, state in states.values():
+                optimizer.state[master] = state
+            for group, saved in zip(optimizer.param_groups, reader.saved["param_groups"]):
+                group.update(saved)
+        pmodel.masters.write_back()  # ZeRO: whole parameters from the loaded shards
+        pmodel.steps = reader.meta["steps"]
+        if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
+            _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
     return reader.saved["extra"]
+
+
+def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> None:
+    """Read every value this rank will load, without changing anything yet."""
+    for name, piece in _pieces(pmodel):
+        model = piece.model()
+        value, master = torch.empty_like(model), None
+        if piece.write_back is not None:
+            master = torch.empty_like(piece.master.reshape(-1))
+        optim_keys = [k for k in reader.keys if k.startswith(f"optim/{name}/")] if optimizer is not None else []
+        state = {k.rsplit("/", 1)[1]: torch.empty(piece.hi - piece.lo, dtype=getattr(torch, reader.keys[k]["dtype"]),
+                                                  device=model.device)
+                 for k in optim_keys if reader.keys[k]["shape"]}
+        for g, a, b, rect, sub in _regions(pmodel, piece):
+            _part(value, a, b, rect, sub).copy_(reader.read(f"model/{name}", g))
+            if master is not None:
+                source = f"master/{name}" if f"master/{name}" in reader.keys else f"model/{name}"
+                _part(master, a, b, rect, sub).copy_(reader.read(source, g))
+            for key, tensor in state.items():
+                _part(tensor, a, b, rect, sub).copy_(reader.read(f"optim/{name}/{key}", g))
+        staged.append((model, value))
+        if master is not None:
+            staged.append((piece.master.reshape(-1), master))
+        if optimizer is not None:
+            scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
+                       if not reader.keys[k]["shape"]}
+            states[id(piece.master)] = (piece.master, {**{k: _like(piece.master, v) for k, v in state.items()},
+                                                       **scalars})
+    for name, buffer in _buffers(pmodel).items():
+        staged.append((buffer, reader.read(f"buffer/{name}", tuple((0, s) for s in buffer.shape))))
 
 
 def _like(master: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -209,25 +278,6 @@ def _check_same_model(reader: Reader, pmodel, optimizer) -> None:
         raise CheckpointError(f"checkpoint {str(reader.version)!r} is from another model: shapes differ ({wrong[:4]})")
     if optimizer is not None and not reader.meta["optimizer"]:
         raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state; load it with optimizer=None")
-
-
-def _agree(pmodel, problem: str | None) -> None:
-    """Every rank learns whether every rank could read its part; if not, all raise the
-    first failing rank's error."""
-    topology = pmodel.topology
-    if topology.world_size == 1:
-        if problem is not None:
-            raise CheckpointError(problem)
-        return
-    world = topology.group(*MESH_DIMS)
-    first = torch.tensor([topology.rank if problem is not None else topology.world_size], device=topology.device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=world)
-    culprit = int(first.item())
-    if culprit == topology.world_size:
-        return
-    box = [problem]
-    dist.broadcast_object_list(box, src=culprit, group=world)
-    raise CheckpointError(f"{box[0]} (found by rank {culprit}; nothing was loaded)")
 
 
 def _restore_rng(reader: Reader, rank: int) -> None:
@@ -254,9 +304,20 @@ def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False)
     """Write the checkpoint at `path` as one plain state dict `out` (.safetensors or .pt),
     loadable by the original module with `load_state_dict(strict=True)`. One process, no
     GPU. With `optimizer=True`, also `<out>.optimizer.pt`: a torch optimizer state dict for
-    an optimizer over `module.parameters()` with the saving run's parameter groups."""
+    an optimizer over `module.parameters()` with the saving run's parameter groups.
+
+    Checks what `load_checkpoint` checks (every chunk against its checksum) before writing."""
+    out = Path(out)
+    if out.suffix not in (".safetensors", ".pt"):
+        raise CheckpointError(f"merge output {str(out)!r} must end in .safetensors or .pt")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"merge output directory {str(out.parent)!r} does not exist; create it first")
     reader = Reader(latest(Path(path)))
-    meta, out = reader.meta, Path(out)
+    reader.validate(range(reader.meta["world_size"]))
+    if optimizer and not reader.meta["optimizer"]:
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state to merge; "
+                              "merge without --optimizer")
+    meta = reader.meta
     state = {}
     for key in meta["state_keys"]:
         canonical = meta["aliases"].get(key, key)
@@ -266,14 +327,22 @@ def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False)
             raise CheckpointError(f"checkpoint {str(reader.version)!r} has no values for {key!r}")
         shape = reader.keys[source]["shape"]
         state[key] = reader.read(source, tuple((0, s) for s in shape)).clone()
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    merged_optimizer = _merged_optimizer(reader) if optimizer else None
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out))
-    else:
-        torch.save(state, out)
-    if optimizer:
-        torch.save(_merged_optimizer(reader), out.with_name(out.name + ".optimizer.pt"))
+    def write() -> None:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out) + ".part")
+        else:
+            torch.save(state, str(out) + ".part")
+        os.replace(str(out) + ".part", out)
+        if merged_optimizer is not None:
+            torch.save(merged_optimizer, out.with_name(out.name + ".optimizer.pt"))
+
+    problem = _attempt(write, f"cannot write {str(out)!r}")
+    if problem is not None:
+        raise problem
     return out
 
 

@@ -3,15 +3,18 @@
     PATH/
       LATEST                      name of the newest complete version (replaced atomically)
       v-<id>/
-        COMPLETE                  written last: the version is whole
-        shardwise.json            format, config, plan, layout, keys and their shapes
+        COMPLETE                  written last: the version is whole; holds shardwise.json's CRC-32
+        shardwise.json            format, config, plan, layout, keys and their shapes, the
+                                  CRC-32 of meta.pt and of every rank-<r>.json
         meta.pt                   optimizer hyper-parameters and the caller's `extra`
         rank-<r>.safetensors      the chunks rank r owns (each tensor region written once)
-        rank-<r>.json             their index: key -> [(tensor name, rectangle)]
+        rank-<r>.json             their index: key -> [(tensor name, rectangle, CRC-32 of its bytes)]
 
 A save writes `v-<id>.tmp/`, renames it to `v-<id>/` once every rank has written, then
 points LATEST at it with `os.replace`; a crash at any moment leaves LATEST on the previous
-complete version. A load reads only the byte ranges it needs (safetensors slices).
+complete version. A load reads only the byte ranges it needs (safetensors slices); every
+chunk's checksum is verified once (`Reader.validate`), so a flipped byte anywhere is refused
+with the file and the tensor it belongs to, by load and merge alike.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +33,15 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from .geometry import Rect, intersect, rect_shape, shift
 
-FORMAT = 1
+FORMAT = 2
 LATEST, COMPLETE, META = "LATEST", "COMPLETE", "shardwise.json"
+
+
+def crc32(data: bytes | torch.Tensor) -> int:
+    """CRC-32 of bytes or of a tensor's raw bytes."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)
 
 
 class RankWriter:
@@ -40,18 +51,28 @@ class RankWriter:
         self.tensors: dict[str, torch.Tensor] = {}
         self.index: dict[str, list] = {}
         self.keys: dict[str, dict[str, Any]] = {}  # key -> {"shape", "dtype"} of the whole tensor
+        self.raw: dict[str, int] = {}  # per-rank tensors outside the index (random states) -> CRC-32
 
     def add(self, key: str, shape: tuple[int, ...], rect: Rect, tensor: torch.Tensor) -> None:
         name = f"t{len(self.tensors)}"
-        self.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous().reshape(rect_shape(rect))
-        self.index.setdefault(key, []).append([name, [list(span) for span in rect]])
+        chunk = tensor.detach().to("cpu", copy=True).contiguous().reshape(rect_shape(rect))
+        self.tensors[name] = chunk
+        self.index.setdefault(key, []).append([name, [list(span) for span in rect], crc32(chunk)])
         self.keys[key] = {"shape": list(shape), "dtype": str(tensor.dtype).replace("torch.", "")}
 
-    def write(self, directory: Path, rank: int, extra: dict[str, Any]) -> None:
+    def add_raw(self, name: str, tensor: torch.Tensor) -> None:
+        """A tensor of this rank only (its random state), stored under `name` with its checksum."""
+        self.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        self.raw[name] = crc32(self.tensors[name])
+
+    def write(self, directory: Path, rank: int, extra: dict[str, Any]) -> int:
+        """Write this rank's two files; returns the CRC-32 of its index (rank-<r>.json)."""
         target = directory / f"rank-{rank}.safetensors"
         save_file(self.tensors, str(target) + ".part")
         os.replace(str(target) + ".part", target)
-        (directory / f"rank-{rank}.json").write_text(json.dumps({"index": self.index, "keys": self.keys, **extra}))
+        text = json.dumps({"index": self.index, "keys": self.keys, "raw": self.raw, **extra})
+        (directory / f"rank-{rank}.json").write_text(text)
+        return zlib.crc32(text.encode())
 
 
 def latest(path: Path) -> Path:
@@ -70,10 +91,15 @@ def latest(path: Path) -> Path:
 
 
 def publish(path: Path, staging: Path, meta: dict[str, Any], saved: dict[str, Any]) -> Path:
-    """Seal a fully written staging directory and make it the latest version (rank 0 only)."""
-    (staging / META).write_text(json.dumps(meta, indent=1))
+    """Seal a fully written staging directory and make it the latest version (rank 0 only).
+
+    `meta["files"]` holds every rank index's CRC-32; meta.pt's is added here, and
+    shardwise.json's goes into COMPLETE, so every byte of the version is covered."""
     torch.save(saved, staging / "meta.pt")
-    (staging / COMPLETE).write_text("complete\n")
+    meta = dict(meta, meta_crc=zlib.crc32((staging / "meta.pt").read_bytes()))
+    text = json.dumps(meta, indent=1)
+    (staging / META).write_text(text)
+    (staging / COMPLETE).write_text(f"complete {zlib.crc32(text.encode())}\n")
     final = staging.with_name(staging.name.removesuffix(".tmp"))
     os.rename(staging, final)
     pointer = path / (LATEST + ".tmp")
@@ -85,31 +111,53 @@ def publish(path: Path, staging: Path, meta: dict[str, Any], saved: dict[str, An
     return final
 
 
+def _complete_crc(version: Path) -> int:
+    """The checksum of shardwise.json that the COMPLETE marker holds."""
+    try:
+        text = (version / COMPLETE).read_text().split()
+        return int(text[1])
+    except (OSError, IndexError, ValueError):
+        raise CheckpointError(f"checkpoint {str(version)!r} is incomplete or corrupt: its {COMPLETE} marker is "
+                              "missing or unreadable") from None
+
+
 class Reader:
     """Reads any rectangle of any key from a complete version."""
 
     def __init__(self, version: Path):
         self.version = version
-        try:
-            self.meta = json.loads((version / META).read_text())
-            self.saved = torch.load(version / "meta.pt", weights_only=False)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint {str(version)!r} is corrupt: cannot read its metadata ({exc})") from None
+        self.meta = json.loads(self._verified(META, _complete_crc(version)))
         if self.meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {str(version)!r} has format {self.meta.get('format')}, this shardwise reads {FORMAT}")
-        self.chunks: dict[str, list[tuple[int, str, Rect]]] = {}
+            raise CheckpointError(f"checkpoint {str(version)!r} has format {self.meta.get('format')}, this shardwise "
+                                  f"reads {FORMAT}; it was written by another version of shardwise")
+        try:
+            self._verified("meta.pt", self.meta["meta_crc"])
+            self.saved = torch.load(version / "meta.pt", weights_only=False)
+        except (OSError, ValueError, RuntimeError, KeyError, EOFError) as exc:
+            raise CheckpointError(f"checkpoint {str(version)!r} is corrupt: cannot read meta.pt ({exc})") from None
+        self.chunks: dict[str, list[tuple[int, str, Rect, int]]] = {}
         self.keys: dict[str, dict[str, Any]] = {}
         self.ranks: dict[int, dict[str, Any]] = {}
         self._files: dict[int, Any] = {}
         for rank in range(self.meta["world_size"]):
-            try:
-                entry = json.loads((version / f"rank-{rank}.json").read_text())
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {str(version)!r} is corrupt: rank-{rank}.json ({exc})") from None
+            entry = json.loads(self._verified(f"rank-{rank}.json", self.meta["files"][str(rank)]))
             self.ranks[rank] = entry
             self.keys.update(entry["keys"])
             for key, items in entry["index"].items():
-                self.chunks.setdefault(key, []).extend((rank, name, tuple(map(tuple, rect))) for name, rect in items)
+                self.chunks.setdefault(key, []).extend((rank, name, tuple(map(tuple, rect)), crc)
+                                                       for name, rect, crc in items)
+
+    def _verified(self, name: str, expected: int) -> str:
+        """The text of one of the version's small files, after checking its CRC-32."""
+        try:
+            data = (self.version / name).read_bytes()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {str(self.version)!r} is corrupt or incomplete: cannot read {name} "
+                                  f"({exc.strerror or exc})") from None
+        if zlib.crc32(data) != expected:
+            raise CheckpointError(f"checkpoint {str(self.version)!r} is corrupt: {name} does not match its checksum "
+                                  "(the file was changed or damaged after it was written)")
+        return data.decode(errors="replace")
 
     def _file(self, rank: int):
         if rank not in self._files:
@@ -127,7 +175,7 @@ class Reader:
         dtype = getattr(torch, self.keys[key]["dtype"])
         out = torch.empty(rect_shape(rect), dtype=dtype)
         covered = 0
-        for rank, name, chunk in self.chunks[key]:
+        for rank, name, chunk, _ in self.chunks[key]:
             overlap = intersect(chunk, rect) if rect else chunk
             if overlap is None:
                 continue
@@ -149,16 +197,26 @@ class Reader:
         return out
 
     def validate(self, ranks) -> None:
-        """Open the given ranks' files and check that every tensor their index names is there."""
+        """Read the given ranks' files whole and check every chunk against its checksum."""
         for rank in ranks:
-            names = {name for items in self.ranks[rank]["index"].values() for name, _ in items}
+            where = f"checkpoint file rank-{rank}.safetensors in {str(self.version)!r}"
+            items = [(key, name, crc) for key, entries in self.ranks[rank]["index"].items() for name, _, crc in entries]
+            items += [(name, name, crc) for name, crc in self.ranks[rank]["raw"].items()]
             present = set(self._file(rank).keys())
-            if not names <= present:
-                raise CheckpointError(f"checkpoint file rank-{rank}.safetensors in {str(self.version)!r} is corrupt: "
-                                      f"it lacks {sorted(names - present)[:4]}")
+            missing = sorted({name for _, name, _ in items} - present)
+            if missing:
+                raise CheckpointError(f"{where} is corrupt: it lacks {missing[:4]}")
+            for key, name, crc in items:
+                try:
+                    data = self._file(rank).get_tensor(name)
+                except (SafetensorError, RuntimeError) as exc:
+                    raise CheckpointError(f"{where} is corrupt: chunk {name} of {key!r} cannot be read ({exc})") from None
+                if crc32(data) != crc:
+                    raise CheckpointError(f"{where} is corrupt: chunk {name} of {key!r} does not match its checksum "
+                                          "(the file was changed or damaged after it was written)")
 
     def rank_tensor(self, rank: int, name: str) -> torch.Tensor | None:
-        try:
-            return self._file(rank).get_tensor(name)
-        except (SafetensorError, CheckpointError):
+        """A tensor stored with `RankWriter.add_raw` by `rank` (validated), or None."""
+        if name not in self.ranks[rank]["raw"]:
             return None
+        return self._file(rank).get_tensor(name)
