@@ -89,11 +89,13 @@ class ParallelModule(nn.Module):
         return batch if dtype is None else map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        tp = self.tensor_parallel
         try:
-            return self.module(*args, **kwargs)
+            with tp.check_first_forward(self.module) if tp is not None else contextlib.nullcontext():
+                return self.module(*args, **kwargs)
         finally:
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.end_forward()
+            if tp is not None:
+                tp.end_forward()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; `loss.backward()` then synchronizes gradients.
@@ -488,8 +490,8 @@ def parallelize(
         checked = _check_locally(module, config, plan, sample)
     except ShardwiseError as exc:
         problem = exc
-    except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
-        problem = ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch: {exc}")
+    except Exception as exc:  # noqa: BLE001 - agreed like any problem, so no rank is left waiting
+        problem = ShardwiseError(f"parallelize failed before communicating: {type(exc).__name__}: {exc}")
         problem.__cause__ = exc
     lines = _model_signature(module, config, checked[0] if checked else None) if problem is None else []
     coordinator = world_coordinator(timeout_s)
@@ -604,8 +606,14 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
             f"schedule {config.schedule!r} needs microbatches divisible by pp={config.pp}, got {config.microbatches}"
         )
     microbatch = split_batch(sample, config.microbatches)[0]
-    with _fake_mode_of(module):
-        return layout_stages(module, plan, config, microbatch)
+    try:
+        with _fake_mode_of(module):
+            return layout_stages(module, plan, config, microbatch)
+    except ShardwiseError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
+        raise ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch "
+                         f"(pipeline stages are laid out from one forward of it): {exc}") from exc
 
 
 def _fake_mode_of(module: nn.Module) -> contextlib.AbstractContextManager:

@@ -29,8 +29,9 @@ tp in the gradient buckets, and a Dropout there draws the mask one process would
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from ..plan.plan import placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
+from .tensor_check import checked_forward
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,11 +93,28 @@ class TensorParallel:
         self.resolved = resolved
         self.partial_grad_params: set[int] = set()  # ids of replicated params whose grads are partial over tp
         self.sharded_modules: dict[str, str] = {}  # module path -> rule name
+        self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
+        self.first_forward_checked = False
         self._entered: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def loss_parallel(self) -> bool:
         return bool(self.resolved.loss_parallel)
+
+    def check_first_forward(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Around forwards: the first one runs under `tensor_check.checked_forward`, which
+        refuses a plan whose sharded features reach a module that cannot take them."""
+        if self.first_forward_checked:
+            return contextlib.nullcontext()
+        return self._checked(module)
+
+    @contextlib.contextmanager
+    def _checked(self, module: nn.Module) -> Iterator[None]:
+        reducing = {p for p, rule in self.sharded_modules.items() if rule in ("row", "vocab_embedding")}
+        row = {p for p, rule in self.sharded_modules.items() if rule == "row"}
+        with checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)):
+            yield
+        self.first_forward_checked = True
 
     def input_placement(self, path: str, default: Placement) -> Placement:
         declared = self.resolved.inputs.get(path, ())
@@ -254,6 +273,9 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
         if not any(True for _ in mod.parameters(recurse=False)):
             continue  # pruned: this pipeline rank never runs it
         tp.sharded_modules[path] = rule.__name__.strip("_")
+        if rule in (_column, _feature_embedding):
+            weight = placements.get("weight")
+            tp.column_blocks[path] = weight.split_factor if isinstance(weight, _StridedShard) else 1
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) not in converted:
                 placement = placements.get(leaf, Replicate())

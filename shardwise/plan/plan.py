@@ -73,6 +73,25 @@ def placement_str(placement: Placement) -> str:
     raise PlanError(f"placement {placement!r} has no string form; use Shard(d), Replicate() or Partial()")
 
 
+def check_pattern(pattern: str) -> None:
+    """`PlanError` unless `pattern` is a usable key: a dotted glob, or 're:' and a valid regex."""
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise PlanError(f"plan key {pattern!r} is not a valid regular expression ({exc}); fix it or "
+                            "write a glob such as 'layers.*.mlp.fc1.weight'") from None
+    elif not pattern or any(not part for part in pattern.split(".")):
+        raise PlanError(f"plan key {pattern!r} is not a module path pattern; write e.g. 'layers.*.mlp.fc1.weight'")
+
+
+def _mapping(value: Any, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise PlanError(f"plan {field} must be a dict from module-path patterns (strings) to placements, "
+                        f"got {type(value).__name__}: {str(value)[:80]}")
+    return value
+
+
 def _placements(value: Any, where: str) -> tuple[Placement, ...]:
     values = value if isinstance(value, (list, tuple)) else [value]
     if not values:
@@ -123,25 +142,44 @@ class Plan:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        self.params = {str(k): _placements(v, f"plan param {k!r}") for k, v in dict(self.params).items()}
-        self.activations = {str(k): _activation(v, f"plan activation {k!r}") for k, v in dict(self.activations).items()}
+        self.params = {k: _placements(v, f"plan param {k!r}") for k, v in _mapping(self.params, "params").items()}
+        self.activations = {k: _activation(v, f"plan activation {k!r}")
+                            for k, v in _mapping(self.activations, "activations").items()}
         for key in self.activations:
             if not key.endswith((".input", ".output")):
                 raise PlanError(
                     f"plan activation {key!r} must end in '.input' or '.output' (e.g. 'layers.*.mlp.input')"
                 )
+        for key in list(self.params) + list(self.activations):
+            check_pattern(key)
         if self.stages is not None:
-            self.stages = [[str(p) for p in s] if isinstance(s, (list, tuple)) else str(s) for s in self.stages]
-        if self.virtual_stages is not None and (not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
+            if not isinstance(self.stages, (list, tuple)) or not all(
+                    isinstance(s, str) or (isinstance(s, (list, tuple)) and all(isinstance(p, str) for p in s))
+                    for s in self.stages):
+                raise PlanError(f"plan stages={self.stages!r} must be a list of module paths (where stages 1.. begin) "
+                                "or a list of lists of module paths (every stage's modules)")
+            self.stages = [list(s) if isinstance(s, (list, tuple)) else s for s in self.stages]
+        if self.virtual_stages is not None and (isinstance(self.virtual_stages, bool)
+                                                or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
             raise PlanError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
-        self.recompute = [str(r) for r in self.recompute]
-        self.loss_parallel = [str(r) for r in self.loss_parallel]
-        self.divide_by_tp = [str(r) for r in self.divide_by_tp]
+        for name in ("recompute", "loss_parallel", "divide_by_tp"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise PlanError(f"plan {name}={value!r} must be a list of module-path patterns, e.g. ['layers.*']")
+            for pattern in value:
+                check_pattern(pattern)
+            setattr(self, name, list(value))
+        for name in ("applies_to", "name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise PlanError(f"plan {name}={value!r} must be a string or None")
 
     # conversions ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         """From our own dict form or veScale's {"parameter": ..., "forward": ...}."""
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan dict must be a dict, got {type(data).__name__}")
         data = dict(data)
         if "parameter" in data or "forward" in data:
             data["params"] = data.pop("parameter", {})

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import PlanError
-from .plan import Plan, placement_str, shard_dim
+from .plan import Plan, check_pattern, placement_str, shard_dim
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ResolvedPlan:
 def _regex(pattern: str, root: str) -> re.Pattern:
     prefix = root + "." if root else ""
     if pattern.startswith("re:"):
+        check_pattern(pattern)
         return re.compile(re.escape(prefix) + pattern[3:])
     parts = [r"[^.]+" if seg == "*" else re.escape(seg) for seg in pattern.split(".")]
     return re.compile(re.escape(prefix) + r"\.".join(parts))
