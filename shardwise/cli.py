@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from .checkpoint import merge_checkpoint
 from .config import ParallelConfig
+from .errors import ShardwiseError
 
 
 @dataclass
@@ -113,22 +114,37 @@ def _single_process(settings: DemoSettings):
     return losses, model.state_dict()
 
 
-@click.group()
+class _Commands(click.Group):
+    """Commands whose ShardwiseErrors print as one line and exit with status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ShardwiseError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+POSITIVE = click.IntRange(min=1)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="shardwise")
 def main() -> None:
     """shardwise: train one torch.nn.Module across many devices."""
 
 
 @main.command()
-@click.option("--ranks", default=4, show_default=True, help="Local processes to train on.")
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel degree (the zoo 'gpt' plan).")
-@click.option("--pp", default=1, show_default=True, help="Pipeline-parallel degree; dp = ranks / (tp * pp).")
+@click.option("--ranks", default=4, show_default=True, type=POSITIVE, help="Local processes to train on.")
+@click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (the zoo 'gpt' plan).")
+@click.option("--pp", default=1, show_default=True, type=POSITIVE,
+              help="Pipeline-parallel degree; dp = ranks / (tp * pp).")
 @click.option("--schedule", default="1f1b", show_default=True,
               type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]), help="Pipeline schedule.")
-@click.option("--steps", default=40, show_default=True, help="Optimizer steps.")
-@click.option("--batch", default=16, show_default=True, help="Global batch size (split across replicas).")
-@click.option("--microbatches", default=2, show_default=True, help="Microbatches per replica per step.")
-@click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--steps", default=40, show_default=True, type=POSITIVE, help="Optimizer steps.")
+@click.option("--batch", default=16, show_default=True, type=POSITIVE, help="Global batch size (split across replicas).")
+@click.option("--microbatches", default=2, show_default=True, type=POSITIVE, help="Microbatches per replica per step.")
+@click.option("--lr", default=3e-3, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+              help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
 @click.option("--checkpoint", default=None, help="Checkpoint directory (default: a temporary one).")
@@ -137,7 +153,7 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
     """Train the reference GPT on local ranks (data, tensor, pipeline parallel), then on one process, and compare."""
     from .testing import run_on_ranks
 
-    if tp < 1 or pp < 1 or ranks % (tp * pp):
+    if ranks % (tp * pp):
         raise click.BadParameter(f"--tp {tp} x --pp {pp} must divide --ranks {ranks}")
     replicas = ranks // (tp * pp)
     if batch % (replicas * microbatches):
@@ -157,7 +173,7 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
     single_losses, single_state = _single_process(settings)
 
     losses = result["losses"]
-    shown = sorted({0, 1, 2, *range(4, steps, max(1, steps // 8)), steps - 1})
+    shown = sorted(i for i in {0, 1, 2, *range(4, steps, max(1, steps // 8)), steps - 1} if i < steps)
     click.echo(f"\n{'step':>5}  {'parallel':>10}  {'single':>10}  {'|diff|':>9}")
     for i in shown:
         click.echo(f"{i:>5}  {losses[i]:>10.6f}  {single_losses[i]:>10.6f}  {abs(losses[i] - single_losses[i]):>9.2e}")
