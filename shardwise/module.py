@@ -311,7 +311,8 @@ class ParallelModule(nn.Module):
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient, whole, under its original name, as one process would
-        hold it; parameters without a gradient are absent. Collective, like `full_state_dict`."""
+        hold it (copies: later steps do not change them); parameters without a gradient are
+        absent. Collective, like `full_state_dict`."""
         with self.coordinator.operation("full_grad_dict"):
             reduced = self.gradients.full_grads()  # what the buckets hold: whole (all-gathered under ZeRO)
             own = {}
@@ -320,7 +321,7 @@ class ParallelModule(nn.Module):
                 if grad is not None:
                     if isinstance(param, DTensor):
                         grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False).full_tensor()
-                    own[name] = grad.detach()
+                    own[name] = grad.detach().clone()
             return self._gather_stages(own, [n for n in self._param_names if n in own or self.pipeline is not None])
 
     def _gather_stages(self, own: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:

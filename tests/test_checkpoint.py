@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from parity import LR, gpt_batches, make_gpt, replica_slice
+from parity import ADAMW, EPS_GRAD, gpt_batches, make_gpt, replica_slice
 from safetensors.torch import load_file
 
 BATCHES = gpt_batches(5, 8)
@@ -29,7 +29,7 @@ def _train(pm, opt, batches):
 def _parallel(config: dict, plan=None, seed: int = 0, dropout: float = 0.0):
     pm = sw.parallelize(make_gpt(seed, n_layer=4, dropout=dropout), sw.ParallelConfig(**config), plan=plan,
                         sample=BATCHES[0][:4])
-    return pm, sw.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+    return pm, sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
 
 
 def _save(path, config, plan):
@@ -163,7 +163,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     first = (path / "LATEST").read_text()
     state = sw.testing.run_on_ranks(_load_state, 4, str(path))[0]
     reference = make_gpt(0, n_layer=4)
-    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
     distance = []
     for batch in BATCHES[:2]:  # after one step (the first save) and after two (the interrupted one)
         reference(batch).backward()

@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from parity import run_and_compare
+from parity import corpus_batches, run_and_compare
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
               intermediate_size=64, max_position_embeddings=64)
@@ -48,13 +48,16 @@ def make(kind: str) -> EndToEnd:
 
 
 def batches(kind: str, steps: int = 4):
+    """Corpus text; BERT masks ~30% of positions and predicts them (loss elsewhere ignored)."""
     gen = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (4, 16), generator=gen)
+    for tokens in corpus_batches(steps, 4, seq=15):
+        ids = tokens.clone()
         labels = ids.clone()
         if kind == "bert":  # masked-LM: loss on ~30% of positions
-            labels[torch.rand(4, 16, generator=gen) > 0.3] = -100
+            masked = torch.rand(ids.shape, generator=gen) < 0.3
+            labels[~masked] = -100
+            ids[masked] = 63
         out.append({"input_ids": ids, "labels": labels})
     return out
 
