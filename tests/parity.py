@@ -137,10 +137,16 @@ class Run:
 
 
 def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan=None, deferred: bool = False,
-                   clip: float | None = None, optimizer: str = "sgd") -> Run:
-    """On each rank: parallelize, train with train_step and sw.build_optimizer."""
+                   clip: float | None = None, optimizer: str = "sgd", fault: str | None = None) -> Run:
+    """On each rank: parallelize, train with train_step and sw.build_optimizer. `fault`
+    (or SHARDWISE_TEST_FAULT) breaks one mechanism first (tests/faults.py)."""
     import torch.distributed as dist
 
+    import faults
+
+    fault = fault or faults.from_environment()
+    if fault:
+        faults.inject(fault, config)
     model = sw.deferred_init(factory) if deferred else factory()
     replicas = dist.get_world_size() // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan, sample=replica_slice(batches[0], 0, replicas))
@@ -290,11 +296,12 @@ def assert_meaningful(ref: Run, optimizer: str = "sgd") -> None:
 
 
 def run_and_compare(world: int, config: dict, factory, batches, plan=None, deferred: bool = False,
-                    clip: float | None = None, optimizer: str = "sgd") -> dict[str, float]:
+                    clip: float | None = None, optimizer: str = "sgd", fault: str | None = None) -> dict[str, float]:
     """Train on `world` ranks and on one process; assert parity on every rank."""
     reference = reference_run(factory, batches, clip=clip, optimizer=optimizer)
     assert_meaningful(reference, optimizer)
-    results = sw.testing.run_on_ranks(train_parallel, world, config, factory, batches, plan, deferred, clip, optimizer)
+    results = sw.testing.run_on_ranks(train_parallel, world, config, factory, batches, plan, deferred, clip, optimizer,
+                                      fault)
     worst = {}
     for result in results:
         for got, want in zip(result.norms, reference.norms):  # clip_grad_norm: the global norm, as on one process

@@ -160,3 +160,39 @@ def test_buckets_launch_during_backward():
     launched_early, total, buckets = sw.testing.run_on_ranks(_launch_timing, 2)[0]
     assert buckets > 4 and total == buckets  # one collective per bucket, nothing else
     assert launched_early >= buckets - 2, (launched_early, buckets)
+
+
+def _unequal(batches, sizes, fault=None):
+    """Replicas given different numbers of samples (the last batch of an epoch)."""
+    import faults
+
+    if fault:
+        faults.inject(fault, {})
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(microbatches=2))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+    index, _ = sw.data_parallel_info(pm)
+    start = sum(sizes[:index])
+    run = Run([], [])
+    for batch in batches:
+        run.losses.append(float(pm.train_step(batch[start:start + sizes[index]])))
+        if not run.grads:
+            run.grads.append(pm.full_grad_dict())
+        opt.step()
+        opt.zero_grad()
+    run.final = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return run
+
+
+@pytest.mark.parametrize("fault", [None, "replica-weight-ignored"])
+def test_unequal_replica_batches_are_weighted_by_samples(fault):
+    """Replicas of 4 and 2 samples: exactly one process on the 6 samples concatenated."""
+    batches = gpt_batches(STEPS, 6)
+    reference = reference_run(functools.partial(make_gpt, 0), batches)
+    assert_meaningful(reference)
+    results = sw.testing.run_on_ranks(_unequal, 2, batches, [4, 2], fault)
+    if fault is None:
+        for run in results:
+            assert_parity(reference, run)
+    else:  # the check this test relies on catches equal weighting
+        with pytest.raises(AssertionError):
+            assert_parity(reference, results[0])

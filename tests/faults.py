@@ -1,0 +1,85 @@
+"""Faults the parity checks guard against, injected into a worker process.
+
+`inject(name, config)` breaks one mechanism of shardwise in the current process only (the
+workers of `run_on_ranks` are separate processes, so nothing leaks into other tests). Used by
+test_faults.py, and by `SHARDWISE_TEST_FAULT=<name> python -m pytest tests/test_*.py` to run
+every parity test with a fault, which must then fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
+          "tied-not-summed", "dropout-per-shard", "replica-weight-ignored")
+
+
+def from_environment() -> str | None:
+    return os.environ.get("SHARDWISE_TEST_FAULT") or None
+
+
+def inject(name: str, config: dict) -> None:
+    import shardwise.module as module
+    import shardwise.parallel.data as data
+    import shardwise.parallel.pipeline as pipeline
+    import shardwise.parallel.tensor as tensor
+    import shardwise.parallel.zero as zero
+
+    if name == "sum-not-mean":  # gradients summed over replicas instead of averaged
+        base = data.ReduceGroup
+
+        class Summing(base):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                object.__setattr__(self, "scale", 1.0)
+
+        Summing.__name__ = base.__name__
+        data.ReduceGroup = Summing
+    elif name == "no-all-reduce":  # each replica keeps its own gradient
+        class NoAllReduce:
+            def __getattr__(self, attr):
+                return getattr(torch.distributed, attr)
+
+            @staticmethod
+            def all_reduce(tensor, *args, **kwargs):
+                return None
+
+        data.dist = NoAllReduce()
+    elif name == "microbatch-sum":  # microbatch losses summed, not averaged
+        original = module.loss_of
+        parts = config.get("microbatches", 1)
+        module.loss_of = lambda *args, **kwargs: original(*args, **kwargs) * parts
+    elif name == "tp-partial-not-summed":  # a norm's partial gradient under sequence parallelism left partial
+        original = tensor.apply_tensor_parallel
+
+        def unsummed(*args, **kwargs):
+            tp = original(*args, **kwargs)
+            tp.partial_grad_params.clear()
+            return tp
+
+        module.apply_tensor_parallel = unsummed
+    elif name == "zero-off-by-one":  # the optimizer updates a shard one element off
+        original = zero._model_range
+
+        def shifted(bucket, lo, hi):  # the same length, one element further on (or back, at the end)
+            step = 1 if hi < bucket.shard_start + bucket.shard_size else -1
+            return original(bucket, lo + step, hi + step)
+
+        zero._model_range = shifted
+    elif name == "tied-not-summed":  # a tied embedding's gradient not summed across pipeline stages
+        module.tied_across_ranks = lambda *args, **kwargs: {}
+    elif name == "dropout-per-shard":  # each sequence shard draws its own dropout mask
+        tensor._sharded_dropout = lambda mod, x, *, tp, dim: F.dropout(x, mod.p, mod.training)
+    elif name == "replica-weight-ignored":  # replicas weighted equally whatever their sample counts
+        original = module.ParallelModule._agree_on_batch
+
+        def equal(self, *args, **kwargs):
+            batch, microbatches, _ = original(self, *args, **kwargs)
+            return batch, microbatches, 1.0
+
+        module.ParallelModule._agree_on_batch = equal
+    else:
+        raise ValueError(f"unknown fault {name!r}; faults: {FAULTS}")

@@ -1,0 +1,33 @@
+"""Each parity check fails when the mechanism it guards is broken (tests/faults.py).
+
+A parity test that would pass with its mechanism broken proves nothing; these runs inject
+one fault each into the workers and require the comparison with one process to fail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import shardwise as sw
+from parity import gpt_batches, make_gpt, run_and_compare
+
+CASES = [  # fault, ranks, config, plan, model overrides, optimizer
+    ("sum-not-mean", 2, {}, None, {}, "sgd"),
+    ("no-all-reduce", 2, {}, None, {}, "sgd"),
+    ("microbatch-sum", 2, {"microbatches": 4}, None, {}, "sgd"),
+    ("tp-partial-not-summed", 2, {"tp": 2, "sequence_parallel": True}, "gpt", {}, "sgd"),
+    ("zero-off-by-one", 2, {"zero": 1}, None, {}, "adamw"),
+    ("tied-not-summed", 2, {"pp": 2, "microbatches": 2}, None, {"n_layer": 4}, "sgd"),
+    ("dropout-per-shard", 2, {"tp": 2, "sequence_parallel": True}, "gpt", {"dropout": 0.2}, "sgd"),
+]
+
+
+@pytest.mark.parametrize("fault, world, config, plan, model, optimizer", CASES, ids=[c[0] for c in CASES])
+def test_parity_check_fails_under_fault(fault, world, config, plan, model, optimizer):
+    factory = functools.partial(make_gpt, 0, **model)
+    batches = gpt_batches(3, 8)
+    run_and_compare(world, config, factory, batches, plan=plan, optimizer=optimizer)  # healthy: passes
+    with pytest.raises((AssertionError, sw.RankFailedError)):
+        run_and_compare(world, config, factory, batches, plan=plan, optimizer=optimizer, fault=fault)
