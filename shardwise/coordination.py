@@ -305,9 +305,10 @@ class Coordinator:
         for rank, c, s in zip(self.ranks, ops, seqs):
             calls.setdefault(f"{_NAMES.get(c, hex(c))} (call #{s})", []).append(rank)
         listed = "; ".join(f"ranks {r} called {what}" for what, r in calls.items())
+        names = " and ".join(sorted({_NAMES.get(c, hex(c)) for c in ops}))
         raise _agreed(CommunicationError,
                       f"collective operations must be called on every rank in the same order, but {listed}. "
-                      f"{op} is collective: call it on every rank (e.g. not under `if rank == 0`)")
+                      f"{names} communicate: call each on every rank (e.g. not under `if rank == 0`)")
 
     def _raise_problem(self, op: str, problem: BaseException | None, flagged: list[int]) -> None:
         first = self.ranks[flagged[0]]

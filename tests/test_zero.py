@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from parity import (ADAMW, SGD, Run, assert_meaningful, assert_parity, full_grads, gpt_batches, make_gpt,
-                    replica_slice, run_and_compare)
+                    reference_run, replica_slice, run_and_compare)
 
 STEPS = 5
 gpt = functools.partial(make_gpt, 0, n_layer=4)
@@ -271,3 +271,55 @@ def test_optimizer_from_the_unwrapped_module_is_refused():
         sw.build_optimizer(make_gpt(0), torch.optim.AdamW, **ADAMW)
     for message in sw.testing.run_on_ranks(_optimizer_from_original, 4, None):
         assert "is not a parameter of the ParallelModule" in message
+
+
+# -- parameters without gradients stay where one process leaves them ------------------------
+class UsedOnce(torch.nn.Module):
+    """`late` is used only on the first step; afterwards it has no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 8)
+        self.late = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        if self.calls == 0:
+            h = h + self.late(x)
+        self.calls += 1
+        return self.head(h).pow(2).mean()
+
+
+def _without_gradients(zero: int, batches):
+    pm = sw.parallelize(UsedOnce(), sw.ParallelConfig(zero=zero, bucket_mb=0.0001))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
+    before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    opt.step()  # no gradient yet: nothing may move (AdamW's weight decay alone would move everything)
+    unmoved = all(torch.equal(v, before[k]) for k, v in pm.full_state_dict().items())
+    index, count = sw.data_parallel_info(pm)
+    run = Run([], [])
+    for batch in batches:
+        run.losses.append(float(pm.train_step(replica_slice(batch, index, count))))
+        if not run.grads:
+            run.grads.append(pm.full_grad_dict())
+        opt.step()
+        opt.zero_grad()
+    run.final = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return unmoved, run
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_parameters_without_gradients_stay_put(zero):
+    """One process: AdamW skips a parameter whose grad is None, so `late` moves on the first
+    step only (no momentum, no weight decay afterwards), and a step before any backward moves
+    nothing. Every ZeRO stage must do the same: judged by the per-element AdamW bound, which
+    a `late` moved by three more steps of momentum and decay (~lr each) fails."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(8, 8, generator=gen) for _ in range(4)]
+    reference = reference_run(UsedOnce, batches, optimizer="adamw")
+    for unmoved, run in sw.testing.run_on_ranks(_without_gradients, 4, zero, batches):
+        assert unmoved
+        assert_parity(reference, run, "adamw")

@@ -218,7 +218,7 @@ class Plan:
     def from_json(cls, text_or_path: str | Path) -> "Plan":
         """From JSON text or from a path to a .json file."""
         text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
+        if not text.lstrip().startswith(("{", "[")):
             path = Path(text)
             if not path.is_file():
                 raise PlanError(f"plan file {str(path)!r} does not exist")
