@@ -441,6 +441,8 @@ RANKS2 = {
     "state dict given on rank 0 only": Case(_state_dict_on_rank_zero, "CheckpointError", "found on rank 1"),
 }
 RANKS4 = {
+    "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
+                                       "dp=3 with tp=1, cp=1, pp=1 needs 3 ranks but world size is 4"),
     "tp peers given different samples": Case(lambda: _peers_given("tp peers given different samples"), "BatchError",
                                              "must be given the same batch"),
     "tp peers given different lengths": Case(lambda: _peers_given("tp peers given different lengths"), "BatchError",
