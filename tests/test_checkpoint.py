@@ -36,7 +36,10 @@ def _save(path, config, plan):
     pm, opt = _parallel(config, plan)
     _train(pm, opt, BATCHES[:2])
     sw.save_checkpoint(path, pm, opt, extra={"epoch": 3})
-    assert "optimizer" in pm.summary()  # memory report with DTensor optimizer state
+    memory = pm.memory()  # the report counts DTensor optimizer state: AdamW's two buffers (+ step counters)
+    tensors = len(list(pm.parameters()))
+    assert 2 * memory["parameters"] <= memory["optimizer"] <= 2 * memory["parameters"] + 8 * tensors, memory
+    assert f"optimizer {memory['optimizer'] / 2**20:.2f} MiB" in pm.summary()
     return {k: v.clone() for k, v in pm.full_state_dict().items()}
 
 
