@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
@@ -38,6 +39,7 @@ from .parallel.zero import MasterWeights
 from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
                               tensor_parallel_rules)
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.stage_program import capture_module, split
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import INTERLEAVED, StageLayout, candidate_units, layout_stages
 from .topology import Topology, init_distributed
@@ -89,10 +91,15 @@ class ParallelModule(nn.Module):
         return batch if dtype is None else map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_pass(lambda: self.module(*args, **kwargs))
+
+    def _forward_pass(self, forward: Callable[[], Any]) -> Any:
+        """One forward of the module (or of a pipeline stage): the tensor-parallel executor
+        checks the first one and forgets its per-forward state after each."""
         tp = self.tensor_parallel
         try:
             with tp.check_first_forward(self.module) if tp is not None else contextlib.nullcontext():
-                return self.module(*args, **kwargs)
+                return forward()
         finally:
             if tp is not None:
                 tp.end_forward()
@@ -249,7 +256,7 @@ class ParallelModule(nn.Module):
         batch, _, _ = self._agree_on_batch("infer_step", batch, 1, check=True)
         with self._in_step("infer_step"), self._compute():
             if self.pipeline is not None:
-                return self.pipeline.forward_pass(batch)[0]
+                return self.pipeline.infer_step(batch)
             out = self._run(batch)
             return map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
 
@@ -500,12 +507,12 @@ def parallelize(
         fingerprint_of(lines), lambda: lines, ModelError,
         "Every rank must build the same model with the same config and plan (same seed-independent "
         "architecture and shapes); check rank-dependent code before sw.parallelize")])
-    chosen, resolved, layout = checked
+    chosen, resolved, pipelined = checked
     if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
         config = _without_zero(config)  # dp * cp == 1
     topology = Topology(config)
     with coordinator.body("parallelize"):
-        return _build(module, topology, chosen, resolved, layout, sample)
+        return _build(module, topology, chosen, resolved, pipelined)
 
 
 def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any):
@@ -548,7 +555,7 @@ def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | Non
 
 
 def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: ResolvedPlan,
-           layout: StageLayout | None, sample: Any) -> ParallelModule:
+           pipelined: PipelineCapture | None) -> ParallelModule:
     """Apply the executors in order; every rank runs the same steps (agreed by parallelize)."""
     config = topology.config
     pmodel = ParallelModule(module, topology, chosen, resolved)
@@ -558,18 +565,20 @@ def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: Resolv
     pmodel._aliases = {name: first_name[id(param)] for name, param in module.named_parameters(remove_duplicate=False)}
     pmodel._state_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
 
+    layout = pipelined.layout if pipelined is not None else None
     if layout is not None:
         pmodel._tied = tied_across_ranks(module, layout)
         pmodel._state_layout = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages
     materialize = materializer(module, resolved, topology)  # deferred init: each rank's shards only
+    if topology.size("pp", "cp", "tp") > 1:  # random ops agree inside a replica
+        broadcast_rng_state(topology.group("pp", "cp", "tp"), topology.device)
     if topology.sizes["tp"] > 1:
-        broadcast_rng_state(topology.group("tp"), topology.device)  # random ops agree inside a replica
         pmodel.tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
     module.to(topology.device)
-    if layout is not None:
-        pmodel.pipeline = Pipeline(module, topology, layout, config.schedule, config.microbatches, pmodel._run)
-        with pmodel._compute():
-            pmodel.pipeline.setup(to_device(sample, topology.device))
+    if pipelined is not None:
+        pmodel.pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
+                                   config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
+                                   pmodel._forward_pass)
     fp32_values = {}
     if config.param_dtype not in (None, torch.float32):  # float32 masters, from the values before casting
         fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters() if p.requires_grad}
@@ -593,7 +602,20 @@ def _without_zero(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, zero=0)
 
 
-def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> StageLayout:
+@dataclass
+class PipelineCapture:
+    """The forward captured on a sample microbatch (on a fake shadow of the model) and the
+    stage layout drawn from it: what the pipeline executor is built from."""
+
+    shadow: nn.Module
+    fake_mode: Any
+    units: list[str]
+    microbatch: Any
+    program: Any
+    layout: StageLayout
+
+
+def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> PipelineCapture:
     """Stages for pp > 1, checked before any rank communicates (same result on every rank)."""
     if sample is None:
         raise ConfigError(f"pp={config.pp} needs sample=<a batch like the training batches> to lay out the stages")
@@ -608,18 +630,20 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         )
     microbatch = split_batch(sample, config.microbatches)[0]
     try:
-        with _fake_mode_of(module):
-            return layout_stages(module, plan, config, microbatch)
+        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module))
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
         raise ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch "
                          f"(pipeline stages are laid out from one forward of it): {exc}") from exc
+    layout = layout_stages(module, plan, config, program)
+    split(program, layout.stage_of, layout.num_stages)  # values flowing against the stage order are refused now
+    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout)
 
 
-def _fake_mode_of(module: nn.Module) -> contextlib.AbstractContextManager:
+def _fake_mode_of(module: nn.Module) -> Any:
     """The fake-tensor mode a deferred module was recorded in (so its forward runs without data)."""
     for tensor in module.parameters():
         if is_deferred(tensor):
             return tensor.fake_mode
-    return contextlib.nullcontext()
+    return None

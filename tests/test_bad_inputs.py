@@ -44,6 +44,8 @@ def outcome(action: Callable[[], Any]) -> tuple[str, str, float, Any]:
     start = time.monotonic()
     try:
         value = action()
+        if isinstance(value, nn.Module):  # not picklable across processes: describe it
+            value = f"a {type(value).__name__}"
         return "ok", "", time.monotonic() - start, value
     except sw.ShardwiseError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start, None

@@ -9,6 +9,7 @@ import torch
 
 import shardwise as sw
 from parity import gpt_batches, make_gpt, run_and_compare
+from shardwise.parallel.stage_program import capture_module
 from shardwise.plan.stages import balance, layout_stages
 
 STEPS = 5
@@ -67,7 +68,8 @@ def test_automatic_split_balances_cost():
     assert balance([4, 1, 1, 1, 1], [True] * 5, 2) == [0, 1]
     assert balance([1, 5, 1, 1, 5, 1], [True, True, False, True, True, True], 2) == [0, 3]
     model = make_gpt(0, n_layer=6)
-    layout = layout_stages(model, sw.Plan(), sw.ParallelConfig(pp=3), gpt_batches(1, 2)[0])
+    program = capture_module(model, gpt_batches(1, 2)[0])[0]
+    layout = layout_stages(model, sw.Plan(), sw.ParallelConfig(pp=3), program)
     costs = [layout.cost(s) for s in range(3)]
     assert max(costs) / min(costs) < 1.3, costs
     assert layout.units_of(0)[0] == "wte" and layout.units_of(2)[-1] == "lm_head"

@@ -1,95 +1,53 @@
-"""Pipeline parallelism: an end2end module cut into stages by layer, run by torch's schedules.
+"""Pipeline parallelism: stages that run only their own part of the model, on torch's schedules.
 
-How one stage runs an arbitrary `forward(batch)`: every pipeline rank runs the user's own
-forward for each microbatch, with each unit (see `plan/stages.py`) wrapped:
-- a unit of an earlier stage that holds parameters is skipped and returns a placeholder
-  of the shape it would have produced, filled with NaN;
-- at the stage's first unit, the tensors it is called with are replaced by the ones the
-  previous stage sent;
-- at the next stage's first unit the forward stops (a BaseException, so a user's
-  `except Exception` cannot swallow it), and that unit's input tensors are this stage's
-  output, sent on.
-The last stage runs to the end and returns the loss. Glue code and modules without
-parameters run on every stage, so values that later stages need and can compute (masks,
-rotary embeddings, the batch's labels) are real there; anything that reaches a stage from
-an earlier one other than through the stage boundary is NaN, and the first training step
-checks for it. Each stage gets the whole microbatch, so it takes from the batch what it
-needs.
+The forward is captured once per microbatch shape as a program of unit calls and glue
+(`stage_program.py`) and split between stages; each stage is a `StageModule` running its
+units (the real modules of this rank) and its glue, so a Hugging Face decoder, our GPT or any
+end2end module whose forward calls its layer list in order pipelines without placeholders.
+torch.distributed.pipelining's `PipelineStage` and schedules (GPipe, 1F1B, interleaved 1F1B,
+interleaved zero-bubble) order the sends, receives and backward halves.
 
-Why torch.distributed.pipelining: its PipelineStage and schedules (GPipe, 1F1B,
-interleaved 1F1B, interleaved zero-bubble) do the send/receive ordering and the split of
-backward into input and weight gradients; shardwise supplies each stage as a module
-(`StageRunner`). The forward-only passes (the one-time setup on `sample`, and
-`infer_step`) are our own: along with activations they carry the shapes of the
-placeholders the next stage needs, so any batch shape works for inference.
+Shapes. The first time a microbatch shape is seen, one forward-only pass runs the stages in
+order on one microbatch (random state and buffers restored afterwards): it gives every stage
+the exact tensors crossing its boundaries, under tensor and sequence parallelism too, so the
+PipelineStages run with static metadata.
+
+Random numbers. One process draws a model's random numbers (dropout) in program order,
+microbatch after microbatch; a pipeline rank runs only its stages, at other times. Before
+each step every rank replays the random ops of every stage for every microbatch on scratch
+tensors (recorded as recipes at capture; nothing when the model draws none), noting the
+generator state at each of its own random steps; each stage sets that state before the
+step and the step ends with the one-process state on every rank. So dropout masks under pp
+are exactly those of one process running the same microbatches in order.
+
+Inference. `infer_step` runs the schedule forward-only over the microbatches (pipelined)
+and returns the last stage's outputs on every pipeline rank: tensors with a batch
+dimension concatenated, scalars (a mean loss) averaged over the equal microbatches.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..batch import batch_size, loss_of, map_tensors, split_batch
-from ..errors import BatchError, ModelError, PlanError
+from ..errors import BatchError
 from ..plan.stages import StageLayout
+from ..tensors import tensor_leaves
 from ..topology import Topology
+from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
-
-
-class _StageExit(BaseException):
-    def __init__(self, tensors: list[torch.Tensor]):
-        super().__init__()
-        self.tensors = tensors
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
-
-
-def _replace_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    leaves, spec = tree_flatten(tree)
-    supply = iter(tensors)
-    return tree_unflatten([next(supply) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
-
-
-def _spec(output: Any) -> tuple:
-    """What a unit returned, without its values: to build a placeholder elsewhere."""
-    leaves, spec = tree_flatten(output)  # the structure as text: it travels between stages
-    return treespec_dumps(spec), [("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x)
-                                  for x in leaves]
-
-
-def _placeholder(spec: tuple, device: torch.device) -> Any:
-    tree_spec, leaves = spec
-    made = []
-    for kind, *rest in leaves:
-        if kind == "value":
-            made.append(rest[0])
-        else:
-            shape, dtype = rest
-            fill = float("nan") if dtype.is_floating_point else 0
-            made.append(torch.full(shape, fill, dtype=dtype, device=device))
-    return tree_unflatten(made, treespec_loads(tree_spec))
-
-
-@dataclass
-class _Run:
-    stage: int
-    first: str
-    stop_at: str | None
-    received: list[torch.Tensor] | None
-    table: dict[str, tuple]
-    record: bool
 
 
 @dataclass
@@ -107,35 +65,104 @@ class PipelineStats:
         self.alive[stage] -= 1
 
 
-class StageRunner(nn.Module):
-    """One pipeline stage as a module for torch's PipelineStage: forward(*received, batch=...)."""
+class RandomSchedule:
+    """The generator state one process would have at each random step of each microbatch."""
 
-    def __init__(self, pipeline: "Pipeline", stage: int):
-        super().__init__()
-        self.stage = stage
-        self.units = nn.ModuleList(pipeline.unit(p) for p in pipeline.layout.units_of(stage) if pipeline.holds(p))
-        self._pipeline = [pipeline]  # a list, so the pipeline is not registered as a submodule
+    def __init__(self, program: Program, parts: list[StagePart], mine: list[int], device: torch.device):
+        self.device = device
+        at = {}
+        for part in parts:
+            for index in part.steps:
+                at.setdefault(index, part.stage)
+        self.order = [(index, at[index]) for index in range(len(program.steps)) if program.steps[index].random
+                      and index in at]
+        self.recipes = {index: program.steps[index].random for index, _ in self.order}
+        self.mine = set(mine)
+        self.states: dict[tuple[int, int], tuple] = {}
+        self.final: tuple | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.order)
+
+    def plan(self, microbatches: int) -> None:
+        """Replay every stage's random ops for every microbatch from the current state."""
+        self.states.clear()
+        for microbatch in range(microbatches):
+            for index, stage in self.order:
+                if stage in self.mine:
+                    self.states[(index, microbatch)] = _rng_state(self.device)
+                draw(self.recipes[index], self.device)
+        self.final = _rng_state(self.device)
+
+    def enter(self, index: int, microbatch: int) -> None:
+        _set_rng_state(self.states[(index, microbatch)], self.device)
+
+    def finish(self) -> None:
+        _set_rng_state(self.final, self.device)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class ScheduledStage(StageModule):
+    """A StageModule that knows which microbatch it runs (for the random schedule) and how
+    many are alive (for the statistics); `loss_only` on the last stage returns the loss."""
+
+    def __init__(self, pipeline: "Pipeline", compiled: "Compiled", part: StagePart, loss_only: bool):
+        last = part.stage == pipeline.layout.num_stages - 1
+        super().__init__(pipeline.module, compiled.program, part, last, pipeline.device)
+        self._pipeline = [pipeline]
+        self.random = compiled.random if loss_only else None  # inference draws as it goes
+        self.loss_only = loss_only
+        self.calls = 0
+
+    def before_step(self, index: int) -> None:
+        if self.random is not None and index in self.random.recipes:
+            self.random.enter(index, self.calls)
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         pipeline = self._pipeline[0]
-        out = pipeline.run_stage(self.stage, list(received) if received else None, batch, pipeline.table)
-        if self.stage == pipeline.layout.num_stages - 1:
-            out = loss_of(out)
-        if not isinstance(out, torch.Tensor):  # torch's zero-bubble backward detaches outputs in place
-            out = tuple(t.clone() if t._is_view() else t for t in out)
-        first = next((t for t in _tensors(out) if t.requires_grad), None)
+        out = pipeline.run_forward(lambda: StageModule.forward(self, *received, batch=batch))
+        self.calls += 1
+        if self.last:
+            out = loss_of(out) if self.loss_only else _leaves_for_merge(out)
+        first = next((t for t in tensor_leaves(out) if t.requires_grad), None)
         if first is not None and torch.is_grad_enabled():
-            pipeline.stats.enter(self.stage)
-            first.register_hook(lambda grad: pipeline.stats.leave(self.stage))
+            pipeline.stats.enter(self.part.stage)
+            first.register_hook(lambda grad: pipeline.stats.leave(self.part.stage))
         return out
 
 
-class Pipeline:
-    """The stages this pipeline rank runs, their schedule and the forward-only passes."""
+@dataclass
+class Compiled:
+    """Everything that depends on the microbatch shape: the program, its split, the stages."""
 
-    def __init__(self, module: nn.Module, topology: Topology, layout: StageLayout, schedule: str,
-                 microbatches: int, forward: Callable[[Any], Any]):
+    program: Program
+    parts: list[StagePart]
+    random: RandomSchedule | None
+    schedules: dict[bool, Any] = field(default_factory=dict)  # training? -> schedule
+    stages: dict[bool, list[PipelineStage]] = field(default_factory=dict)
+    examples: dict[int, tuple] = field(default_factory=dict)  # stage -> (received, produced, full output)
+
+
+class Pipeline:
+    """The stages this pipeline rank runs, compiled per microbatch shape, and their schedules."""
+
+    def __init__(self, module: nn.Module, shadow: nn.Module, fake_mode, topology: Topology, layout: StageLayout,
+                 schedule: str, microbatches: int, units: list[str], sample: Any, program: Program,
+                 run_forward: Callable[[Callable[[], Any]], Any]):
         self.module = module
+        self.shadow = shadow
+        self.fake_mode = fake_mode
         self.layout = layout
         self.topology = topology
         self.group = topology.group("pp")
@@ -144,156 +171,179 @@ class Pipeline:
         self.microbatches = microbatches
         self.schedule_name = schedule
         self.stages = layout.stages_of_rank(topology.pp_rank)
+        self.units = units
         self.stats = PipelineStats()
-        self.table: dict[str, tuple] = {}
-        self._forward = forward
-        self._run: _Run | None = None
-        self._holds = {u.path: u.params > 0 for u in layout.units}
-        self._checked = False
-        self.schedule = None
-        for path in layout.stage_of:
-            unit = module.get_submodule(path)
-            original = unit.forward
-            unit.forward = lambda *a, _p=path, _o=original, **k: self._unit_forward(_p, _o, *a, **k)
-
-    def unit(self, path: str) -> nn.Module:
-        return self.module.get_submodule(path)
-
-    def holds(self, path: str) -> bool:
-        return self._holds[path]
+        self.run_forward = run_forward  # wraps a forward (tensor-parallel first-forward check)
+        self._compiled: dict[tuple, Compiled] = {}
+        self._captured = {(self._signature(sample), module.training): program}
 
     def owner(self, stage: int) -> int:
         """Global rank running `stage` in this rank's pipeline."""
         return self.ranks[stage % self.layout.pp]
 
-    # one stage's forward -------------------------------------------------------------
-    def _unit_forward(self, path: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        run = self._run
-        if run is None:
-            return original(*args, **kwargs)
-        if path == run.stop_at:
-            raise _StageExit(_tensors((args, kwargs)))
-        stage = self.layout.stage_of[path]
-        if path == run.first and run.received is not None:
-            args, kwargs = _replace_tensors((args, kwargs), run.received)
-        if stage < run.stage and self._holds[path]:
-            return _placeholder(run.table[path], self.device)
-        out = original(*args, **kwargs)
-        if run.record and stage == run.stage and self._holds[path]:
-            run.table[path] = _spec(out)
-        return out
+    # compiling ---------------------------------------------------------------------------------
+    @staticmethod
+    def _signature(microbatch: Any) -> tuple:
+        leaves, spec = tree_flatten(microbatch)
+        return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
-    def run_stage(self, stage: int, received: list[torch.Tensor] | None, batch: Any,
-                  table: dict[str, tuple], record: bool = False) -> Any:
-        last = stage == self.layout.num_stages - 1
-        stop_at = None if last else self.layout.first_unit(stage + 1)
-        self._run = _Run(stage, self.layout.first_unit(stage), stop_at, received, table, record)
+    def _program(self, microbatch: Any) -> Program:
+        self.shadow.train(self.module.training)
+        key = (self._signature(microbatch), self.module.training)
+        if key not in self._captured:
+            self._captured[key] = capture(self.shadow, self.fake_mode, map_tensors(microbatch, lambda t: t.cpu()),
+                                          self.units)
+        return self._captured[key]
+
+    def compiled(self, microbatch: Any) -> Compiled:
+        key = (self._signature(microbatch), self.module.training)
+        if key not in self._compiled:
+            program = self._program(microbatch)
+            parts = split(program, self.layout.stage_of, self.layout.num_stages)
+            random = RandomSchedule(program, parts, self.stages, self.device)
+            compiled = Compiled(program, parts, random if random.active else None)
+            self._examples(compiled, microbatch)
+            self._compiled[key] = compiled
+        return self._compiled[key]
+
+    def _examples(self, compiled: Compiled, microbatch: Any) -> None:
+        """The tensors each stage receives and produces for `microbatch` (static metadata)."""
+        with torch.enable_grad():
+            compiled.examples = self._forward_pass(compiled.program, compiled.parts, microbatch)
+
+    def _forward_pass(self, program: Program, parts: list[StagePart], microbatch: Any) -> dict[int, tuple]:
+        """Run `microbatch` through this rank's stages in order, receiving from and sending to
+        the neighbours; random state and buffers are left as they were."""
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        state = _rng_state(self.device)
+        examples = {}
         try:
-            out = self._forward(batch)
-        except _StageExit as done:
-            out = tuple(done.tensors)
-            if not self._checked:
-                self._check_finite(stage, out)
-            return out
+            for stage in self.stages:
+                received: list[torch.Tensor] = []
+                if stage > 0:
+                    received = self._recv(self.owner(stage - 1))
+                module = StageModule(self.module, program, parts[stage], stage == self.layout.num_stages - 1,
+                                     self.device)
+                out = self.run_forward(lambda: module(*received, batch=microbatch))
+                examples[stage] = (tuple(received), out)
+                if stage + 1 < self.layout.num_stages:
+                    self._send(list(out), self.owner(stage + 1))
         finally:
-            self._run = None
-        if not last:
-            raise ModelError(
-                f"pipeline stage {stage}'s forward ended without reaching {stop_at!r}, the first module of stage "
-                f"{stage + 1}; the forward must call every stage's modules for every batch"
-            )
-        if not self._checked:
-            self._check_finite(stage, _tensors(out))
-        return out
+            _set_rng_state(state, self.device)
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        return examples
 
-    def _check_finite(self, stage: int, tensors: list[torch.Tensor]) -> None:
-        bad = [t for t in tensors if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())]
-        if bad:
-            raise PlanError(
-                f"pipeline stage {stage} computed NaN from placeholder values: one of its modules uses an output "
-                "of a module on an earlier stage other than through the stage boundary (the inputs of its first "
-                "module). Move the stage boundary, or keep such modules on one stage (or the model itself "
-                "produced NaN on this batch)"
-            )
-
-    # forward-only passes: setup on `sample`, and inference -------------------------------
-    def _send(self, header: Any, tensors: list[torch.Tensor], dst: int) -> None:
+    def _send(self, tensors: list[torch.Tensor], dst: int) -> None:
         meta = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
-        dist.send_object_list([(header, meta)], dst=dst, group=self.group)
+        dist.send_object_list([meta], dst=dst, group=self.group)
         for t in tensors:
             dist.send(t.detach().contiguous(), dst=dst, group=self.group)
 
-    def _recv(self, src: int) -> tuple[Any, list[torch.Tensor]]:
+    def _recv(self, src: int) -> list[torch.Tensor]:
         box = [None]
         dist.recv_object_list(box, src=src, group=self.group)
-        header, meta = box[0]
         tensors = []
-        for shape, dtype, requires_grad in meta:
+        for shape, dtype, requires_grad in box[0]:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, src=src, group=self.group)
-            tensors.append(t.requires_grad_(requires_grad and torch.is_grad_enabled()))
-        return header, tensors
+            tensors.append(t.requires_grad_(requires_grad))
+        return tensors
 
-    def forward_pass(self, batch: Any, grad: bool = False) -> tuple[Any, dict[int, tuple]]:
-        """Run every stage in order on `batch`: the last stage's output (on every pipeline
-        rank) and, for this rank's stages, (received, produced) example tensors."""
-        table: dict[str, tuple] = {}
-        examples: dict[int, tuple] = {}
-        result = None
-        with torch.set_grad_enabled(grad):
+    def _schedule(self, compiled: Compiled, training: bool):
+        if training not in compiled.schedules:
+            stages = []
             for stage in self.stages:
-                received = None
-                if stage > 0:
-                    table, received = self._recv(self.owner(stage - 1))
-                out = self.run_stage(stage, received, batch, table, record=True)
-                examples[stage] = (received or [], out)
-                if stage + 1 < self.layout.num_stages:
-                    self._send(table, list(out), self.owner(stage + 1))
-                else:
-                    result = map_tensors(out, lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach())
-        last_owner = self.owner(self.layout.num_stages - 1)
-        box = [(table, map_tensors(result, lambda t: t.cpu()))] if self.topology.rank == last_owner else [None]
-        dist.broadcast_object_list(box, src=last_owner, group=self.group)
-        self.table, result = box[0]
-        return map_tensors(result, lambda t: t.to(self.device)), examples
+                received, produced = compiled.examples[stage]
+                last = stage == self.layout.num_stages - 1
+                if last:
+                    produced = loss_of(produced) if training else _leaves_for_merge(produced)
+                outputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensor_leaves(produced))
+                inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in received)
+                module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training)
+                stages.append(PipelineStage(module, stage, self.layout.num_stages, self.device,
+                                            input_args=inputs, output_args=outputs, group=self.group))
+            cls = SCHEDULES[self.schedule_name]
+            target = stages if self.layout.virtual > 1 else stages[0]
+            compiled.stages[training] = stages
+            compiled.schedules[training] = cls(target, self.microbatches,
+                                               loss_fn=lambda output, target: output) if training else \
+                cls(target, self.microbatches)
+        return compiled.schedules[training]
 
-    # training ----------------------------------------------------------------------------
-    def setup(self, sample: Any) -> None:
-        """Learn boundary and placeholder shapes from one microbatch of `sample`; build the schedule."""
-        first = split_batch(sample, self.microbatches)[0]
-        self.microbatch_shapes = [tuple(t.shape) for t in _tensors(first)]
-        _, examples = self.forward_pass(first, grad=True)
-        stages = []
-        for stage in self.stages:
-            received, produced = examples[stage]
-            if stage == self.layout.num_stages - 1:
-                produced = loss_of(produced)
-            outputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in _tensors(produced))
-            inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in received)  # () for stage 0
-            stages.append(PipelineStage(StageRunner(self, stage), stage, self.layout.num_stages, self.device,
-                                        input_args=inputs, output_args=outputs, group=self.group))
-        self.runners = [s.submod for s in stages]
-        schedule_class = SCHEDULES[self.schedule_name]
-        target = stages if self.layout.virtual > 1 else stages[0]
-        self.schedule = schedule_class(target, self.microbatches, loss_fn=lambda output, target: output)
+    def _begin(self, compiled: Compiled, training: bool) -> None:
+        for stage in compiled.stages[training]:
+            stage.submod.calls = 0
+        if compiled.random is not None and training:
+            compiled.random.plan(self.microbatches)
 
+    # running -----------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> torch.Tensor:
         """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank."""
-        shapes = [tuple(t.shape) for t in _tensors(split_batch(batch, self.microbatches)[0])]
-        if shapes != self.microbatch_shapes:
-            raise BatchError(
-                f"pipeline stages were set up for microbatches of shapes {self.microbatch_shapes} (from sample); "
-                f"this batch gives {shapes}. Pass batches shaped like the sample, or parallelize with a matching sample"
-            )
+        microbatch = split_batch(batch, self.microbatches)[0]
+        compiled = self.compiled(microbatch)
+        schedule = self._schedule(compiled, training=True)
+        self._begin(compiled, training=True)
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size(batch), device=self.device)
-        self.schedule.step(batch=batch, target=target, losses=losses, return_outputs=False)
-        self._checked = True
+        schedule.step(batch=batch, target=target, losses=losses, return_outputs=False)
+        if compiled.random is not None:
+            compiled.random.finish()
         last_owner = self.owner(self.layout.num_stages - 1)
         mean = torch.stack([l.detach().float() for l in losses]).mean().reshape(1) if losses else \
             torch.zeros(1, device=self.device)
         dist.broadcast(mean, src=last_owner, group=self.group)
         return mean[0]
+
+    @torch.no_grad()
+    def infer_step(self, batch: Any) -> Any:
+        """The forward's outputs for `batch`, the microbatches pipelined; on every pipeline rank."""
+        parts = self.microbatches if batch_size(batch) % self.microbatches == 0 else 1
+        if parts != self.microbatches:
+            return self._infer_sequentially(batch)
+        microbatch = split_batch(batch, parts)[0]
+        compiled = self.compiled(microbatch)
+        schedule = self._schedule(compiled, training=False)
+        self._begin(compiled, training=False)
+        merged = schedule.eval(batch=batch)
+        result = None
+        last_owner = self.owner(self.layout.num_stages - 1)
+        if self.topology.rank == last_owner:
+            result = _rebuild(compiled.program, merged if isinstance(merged, (tuple, list)) else (merged,))
+        box = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
+        dist.broadcast_object_list(box, src=last_owner, group=self.group)
+        return map_tensors(box[0], lambda t: t.to(self.device))
+
+    def _infer_sequentially(self, batch: Any) -> Any:
+        """A batch the microbatch count does not divide: one pass through the stages in order."""
+        program = self._program(batch)
+        examples = self._forward_pass(program, split(program, self.layout.stage_of, self.layout.num_stages), batch)
+        last = self.layout.num_stages - 1
+        last_owner = self.owner(last)
+        result = _rebuild(program, _leaves_for_merge(examples[last][1])) if last in examples else None
+        box = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
+        dist.broadcast_object_list(box, src=last_owner, group=self.group)
+        return map_tensors(box[0], lambda t: t.to(self.device))
+
+
+def _leaves_for_merge(output: Any) -> tuple[torch.Tensor, ...]:
+    """The forward output's tensors for torch's merge of microbatch outputs, which
+    concatenates along dim 0: scalars become 1-element vectors (averaged in `_rebuild`)."""
+    return tuple(t.reshape(1) if t.dim() == 0 else t for t in tensor_leaves(output))
+
+
+def _rebuild(program: Program, merged: tuple) -> Any:
+    """The forward's output from the merged microbatch tensors: scalars (a mean loss) as the
+    mean over the equal microbatches, the rest concatenated along the batch."""
+    refs = [leaf for leaf in tree_flatten(program.output)[0] if isinstance(leaf, Ref)]
+    values = []
+    for leaf, tensor in zip(refs, merged):
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        values.append(tensor.mean() if leaf.id in program.scalar_outputs else tensor)
+    supply = iter(values)
+    leaves, spec = tree_flatten(program.output)
+    return tree_unflatten([next(supply) if isinstance(leaf, Ref) else leaf for leaf in leaves], spec)
 
 
 def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dict[str, tuple]:

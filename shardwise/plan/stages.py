@@ -19,9 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
-
-from ..batch import loss_of
 from ..config import ParallelConfig
 from ..errors import ModelError, PlanError
 from .plan import Plan
@@ -34,7 +31,6 @@ class Unit:
     path: str
     params: int  # parameter elements (tied parameters count in each unit holding them)
     flops: float  # forward FLOPs for one sample microbatch
-    order: int  # position of its first call in the forward
 
 
 @dataclass
@@ -94,41 +90,17 @@ def candidate_units(module: nn.Module) -> list[str]:
     return units
 
 
-def trace_units(module: nn.Module, microbatch: Any, paths: list[str]) -> tuple[list[Unit], list[str]]:
-    """Execution order, FLOPs and parameter counts of the units, from one forward without grad.
-
-    The forward must return the loss first (checked here, on every rank alike)."""
-    modules = {p: module.get_submodule(p) for p in paths}
-    first_call: dict[str, int] = {}
-    flops: dict[str, float] = {p: 0.0 for p in paths}
-    calls: list[str] = []
-    counter = FlopCounterMode(display=False)
-    handles = []
-    for path, mod in modules.items():
-        holds = any(True for _ in mod.parameters())
-
-        def before(m, args, path=path, holds=holds):
-            first_call.setdefault(path, len(first_call))
-            if holds:
-                calls.append(path)
-            m._sw_flops_before = counter.get_total_flops()
-
-        def after(m, args, out, path=path):
-            flops[path] += counter.get_total_flops() - m.__dict__.pop("_sw_flops_before")
-
-        handles += [mod.register_forward_pre_hook(before), mod.register_forward_hook(after)]
-    try:
-        with torch.no_grad(), counter:
-            loss_of(module(microbatch), needs_grad=False)
-    finally:
-        for h in handles:
-            h.remove()
-    ordered = sorted(first_call, key=first_call.get)
-    never = [p for p in paths if p not in first_call and any(True for _ in modules[p].parameters())]
+def units_of_program(module: nn.Module, program) -> tuple[list[Unit], list[str]]:
+    """Units in the order the captured forward (parallel/stage_program.py) first calls them,
+    with their forward FLOPs on the sample microbatch and parameter counts, and the calls of
+    units holding parameters, in order."""
+    held = {path: sum(p.numel() for p in module.get_submodule(path).parameters()) for path in program.unit_flops}
+    never = [p for p, n in held.items() if n and p not in program.unit_order]
     if never:
         raise ModelError(f"modules {never[:4]} hold parameters but did not run in the forward of the sample batch; "
                          "pipeline stages are laid out from that forward")
-    units = [Unit(p, sum(q.numel() for q in modules[p].parameters()), flops[p], i) for i, p in enumerate(ordered)]
+    units = [Unit(p, held[p], program.unit_flops[p]) for p in program.unit_order]
+    calls = [step.unit for step in program.steps if step.unit is not None and held[step.unit]]
     return units, calls
 
 
@@ -177,8 +149,9 @@ def _resolve_path(path: str, units: list[Unit]) -> str:
     raise PlanError(f"stage boundary {path!r} is not a module of this model's forward; closest: {', '.join(close) or '(none)'}")
 
 
-def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, microbatch: Any) -> StageLayout:
-    """The stage layout for `config.pp` pipeline ranks; `PlanError` on a split that cannot run."""
+def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program) -> StageLayout:
+    """The stage layout for `config.pp` pipeline ranks from the forward captured on the sample
+    (`stage_program.capture`); `PlanError` on a split that cannot run."""
     virtual = plan.virtual_stages or (2 if config.schedule in INTERLEAVED else 1)
     if config.schedule in INTERLEAVED and virtual < 2:
         raise PlanError(f"schedule {config.schedule!r} needs virtual_stages >= 2 in the plan, got {virtual}")
@@ -189,7 +162,7 @@ def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, microba
         )
     num_stages = config.pp * virtual
     direct = [n for n, _ in module.named_parameters(recurse=False)]
-    units, calls = trace_units(module, microbatch, candidate_units(module))
+    units, calls = units_of_program(module, program)
     outside = [n for n, p in module.named_parameters()
                if not any(n.startswith(u.path + ".") for u in units)]
     if direct or outside:
