@@ -51,7 +51,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "microbatch-sum":  # microbatch losses summed, not averaged
         original = module.loss_of
         parts = config.get("microbatches", 1)
-        module.loss_of = lambda *args, **kwargs: original(*args, **kwargs) * parts
+        module.loss_of = pipeline.loss_of = lambda *args, **kwargs: original(*args, **kwargs) * parts
     elif name == "tp-partial-not-summed":  # a norm's partial gradient under sequence parallelism left partial
         original = tensor.apply_tensor_parallel
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -308,4 +308,40 @@ def run_and_compare(world: int, config: dict, factory, batches, plan=None, defer
             assert abs(got - want) <= EPS_GRAD * want, f"grad norm {got} != {want}"
         for key, value in assert_parity(reference, result, optimizer).items():
             worst[key] = max(worst.get(key, 0.0), value)
+    return worst
+
+
+@dataclass
+class Case:
+    """One parity check for `compare_cases`: a layout, a model and its batches."""
+
+    name: str
+    config: dict
+    factory: Callable[[], nn.Module]
+    batches: list
+    plan: Any = None
+    optimizer: str = "sgd"
+
+
+def _train_cases(cases: list[Case]) -> list[Run]:
+    return [train_parallel(c.config, c.factory, c.batches, c.plan, optimizer=c.optimizer) for c in cases]
+
+
+def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
+    """Several parity checks in one spawn of `world` ranks (one process start for all):
+    each case trains in turn on every rank and is compared with its own one-process run."""
+    references = []
+    for case in cases:
+        references.append(reference_run(case.factory, case.batches, optimizer=case.optimizer))
+        assert_meaningful(references[-1], case.optimizer)
+    results = sw.testing.run_on_ranks(_train_cases, world, cases)
+    worst: dict[str, dict[str, float]] = {}
+    for rank, runs in enumerate(results):
+        for case, reference, got in zip(cases, references, runs):
+            try:
+                ratios = assert_parity(reference, got, case.optimizer)
+            except AssertionError as exc:
+                raise AssertionError(f"{case.name} on rank {rank}: {exc}") from None
+            for key, value in ratios.items():
+                worst.setdefault(case.name, {})[key] = max(worst.get(case.name, {}).get(key, 0.0), value)
     return worst

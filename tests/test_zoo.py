@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from parity import corpus_batches, run_and_compare
+from parity import Case, compare_cases, corpus_batches, run_and_compare
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
               intermediate_size=64, max_position_embeddings=64)
@@ -65,6 +65,27 @@ def batches(kind: str, steps: int = 4):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "bert"])
 def test_zoo_plan_parity(kind):
     run_and_compare(2, {"tp": 2}, functools.partial(make, kind), batches(kind), plan=kind)
+
+
+DECODERS = ["llama", "qwen2", "mistral", "gpt2"]
+PIPELINE_LAYOUTS = {
+    2: {"pp2 1f1b": {"pp": 2, "microbatches": 2},
+        "pp2 interleaved": {"pp": 2, "microbatches": 4, "schedule": "interleaved-1f1b"}},
+    4: {"pp2 x tp2": {"pp": 2, "tp": 2, "microbatches": 2},
+        "pp2 x dp2 zero1": {"pp": 2, "zero": 1, "microbatches": 2},
+        "pp4": {"pp": 4, "microbatches": 4}},
+}
+
+
+@pytest.mark.parametrize("world", sorted(PIPELINE_LAYOUTS))
+def test_pipeline_on_hugging_face_decoders(world):
+    """Each decoder's stages run only their part of the model (embedding, rotary or position
+    embedding, layers, final norm, head), its causal mask and position ids rebuilt per stage.
+    The model keeps HF's default use_cache=True: the empty cache it builds is not shared."""
+    cases = [Case(f"{kind} {name}", config, functools.partial(make, kind), batches(kind),
+                  plan=kind if config.get("tp", 1) > 1 else None)
+             for kind in DECODERS for name, config in PIPELINE_LAYOUTS[world].items()]
+    compare_cases(world, cases)
 
 
 def test_zoo_lists_its_plans():

@@ -167,6 +167,21 @@ class _Builder:
         self.flops: dict[str, float] = {u: 0.0 for u in units}
         self.order: list[str] = []
         self.random_ops: list = []  # random ops since the current top-level step began
+        self.empty_caches: set[int] = set()  # key/value caches first seen empty (replayed as None)
+
+    def note_caches(self, args: Any, kwargs: Any, unit: str) -> None:
+        """A key/value cache object (Hugging Face's `past_key_values`) handed to a unit is
+        Python state the stages cannot share. One that is empty when first seen, as when a
+        model builds a fresh cache in a training forward, changes nothing the unit computes
+        and is replayed as None; a cache holding earlier keys is refused."""
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if not _is_cache(leaf) or id(leaf) in self.empty_caches:
+                continue
+            if leaf.get_seq_length() != 0:
+                raise ModelError(f"the forward passes a {type(leaf).__name__} holding earlier keys and values to "
+                                 f"{unit}; pipeline stages cannot share it. Call the model with use_cache=False "
+                                 "and no past_key_values when training")
+            self.empty_caches.add(id(leaf))
 
     def bind(self, tensor: torch.Tensor) -> int:
         value = next(self.counter)
@@ -175,6 +190,8 @@ class _Builder:
         return value
 
     def ref(self, leaf: Any) -> Any:
+        if id(leaf) in self.empty_caches:
+            return None
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if id(leaf) in self.values:
@@ -219,6 +236,11 @@ def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode
     return capture(shadow, fake_mode, microbatch, units), shadow, fake_mode, units
 
 
+def _is_cache(leaf: Any) -> bool:
+    return not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "get_seq_length", None)) \
+        and hasattr(leaf, "update")
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -239,6 +261,7 @@ def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units
                 if path not in builder.order:
                     builder.order.append(path)
                 started[path] = counter.get_total_flops()
+                builder.note_caches(args, kwargs, path)
                 builder.pending = (args, kwargs)
                 builder.random_ops = []
             builder.depth += 1
