@@ -18,6 +18,7 @@ from .errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = (None, "full", "selective")
 # Compute dtypes with float32 master weights, and dtypes gradients are reduced in.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,6 +57,8 @@ class ParallelConfig:
     param_dtype: compute and parameter dtype (e.g. torch.bfloat16); the optimizer then keeps
         float32 master weights. None: leave the module as it is.
     reduce_dtype: dtype gradients are accumulated and reduced in; None: param_dtype.
+    recompute: None, "full" or "selective": activations of each block of the model's layer
+        list (or of the plan's `recompute` modules) rebuilt in backward instead of kept.
     """
 
     dp: int | None = None
@@ -71,6 +74,7 @@ class ParallelConfig:
     check_every: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
         if self.dp is not None:
@@ -83,6 +87,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"schedule={self.schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}"
             )
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute={self.recompute!r} is not a recompute mode; use None, 'full' (keep only "
+                              "each block's input) or 'selective' (keep matmul and attention outputs)")
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
         if self.sequence_parallel and self.tp == 1:

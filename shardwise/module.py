@@ -39,6 +39,7 @@ from .parallel.zero import MasterWeights
 from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
                               tensor_parallel_rules)
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.stage_program import capture_module, split
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import INTERLEAVED, StageLayout, candidate_units, layout_stages
@@ -64,6 +65,7 @@ class ParallelModule(nn.Module):
         self.gradients: GradientBuckets | None = None
         self.param_shards: ParameterShards | None = None  # ZeRO-3
         self.masters: MasterWeights | None = None
+        self.recomputed: list[str] = []  # modules whose activations are rebuilt in backward
         self._optimizers: list = []  # those built by sw.build_optimizer, for memory reports
         self.steps = 0  # train_step calls, saved in checkpoints
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
@@ -501,13 +503,13 @@ def parallelize(
     except Exception as exc:  # noqa: BLE001 - agreed like any problem, so no rank is left waiting
         problem = ShardwiseError(f"parallelize failed before communicating: {type(exc).__name__}: {exc}")
         problem.__cause__ = exc
-    lines = _model_signature(module, config, checked[0] if checked else None) if problem is None else []
+    lines = _model_signature(module, checked[0], checked[1]) if problem is None else []
     coordinator = world_coordinator(timeout_s)
     coordinator.agree("parallelize", problem, fingerprints=[Fingerprint(
         fingerprint_of(lines), lambda: lines, ModelError,
         "Every rank must build the same model with the same config and plan (same seed-independent "
         "architecture and shapes); check rank-dependent code before sw.parallelize")])
-    chosen, resolved, pipelined = checked
+    config, chosen, resolved, pipelined = checked
     if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
         config = _without_zero(config)  # dp * cp == 1
     topology = Topology(config)
@@ -516,7 +518,8 @@ def parallelize(
 
 
 def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any):
-    """Every check `parallelize` can make without communicating: (plan, resolved plan, stage layout)."""
+    """Every check `parallelize` can make without communicating: (config with the plan's ZeRO
+    stage, plan, resolved plan, stage layout)."""
     if isinstance(module, ParallelModule):
         raise ModelError("module is already a ParallelModule; pass the original module to parallelize")
     if not isinstance(module, nn.Module):
@@ -533,12 +536,24 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
             raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
     check_materializable(module)
     chosen = as_plan(plan, config)
+    config = _with_plan_zero(config, chosen)
     resolved = resolve_plan(chosen, module, config.tp)
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
     config.resolve(dist.get_world_size())
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
-    return chosen, resolved, layout
+    recompute_targets(module, config, resolved)
+    return config, chosen, resolved, layout
+
+
+def _with_plan_zero(config: ParallelConfig, plan: Plan) -> ParallelConfig:
+    """The config with the plan's ZeRO stage, when the plan gives one."""
+    if plan.zero is None or plan.zero == config.zero:
+        return config
+    if config.zero:
+        raise ConfigError(f"the config asks for zero={config.zero} and plan {plan.name or 'given'} for zero={plan.zero}; "
+                          "set one of them (or both the same)")
+    return dataclasses.replace(config, zero=plan.zero)
 
 
 def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | None) -> list[str]:
@@ -575,6 +590,7 @@ def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: Resolv
     if topology.sizes["tp"] > 1:
         pmodel.tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
     module.to(topology.device)
+    pmodel.recomputed = apply_recompute(module, config, resolved)
     if pipelined is not None:
         pmodel.pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                                    config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,

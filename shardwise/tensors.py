@@ -33,3 +33,9 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     if isinstance(placement, Shard):
         return full.chunk(size, placement.dim)[rank]
     return full
+
+
+def is_kv_cache(value: Any) -> bool:
+    """Whether `value` is a key/value cache object (Hugging Face's `past_key_values`)."""
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "get_seq_length", None)) \
+        and hasattr(value, "update")

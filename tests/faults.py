@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
-          "tied-not-summed", "dropout-per-shard", "replica-weight-ignored")
+          "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored")
 
 
 def from_environment() -> str | None:
@@ -25,6 +25,7 @@ def inject(name: str, config: dict) -> None:
     import shardwise.module as module
     import shardwise.parallel.data as data
     import shardwise.parallel.pipeline as pipeline
+    import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor as tensor
     import shardwise.parallel.zero as zero
 
@@ -81,5 +82,8 @@ def inject(name: str, config: dict) -> None:
             return batch, microbatches, 1.0
 
         module.ParallelModule._agree_on_batch = equal
+    elif name == "recompute-rng-not-restored":  # the recomputation draws fresh dropout masks
+        original_checkpoint = recompute.checkpoint
+        recompute.checkpoint = lambda module, **kwargs: original_checkpoint(module, **{**kwargs, "preserve_rng_state": False})
     else:
         raise ValueError(f"unknown fault {name!r}; faults: {FAULTS}")

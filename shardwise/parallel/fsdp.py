@@ -5,7 +5,7 @@ stages), so a unit's parameters live in its own flat buffers. Between uses a buf
 only this rank's shard; its full storage is released (resized to zero, so views and tensors
 autograd saved stay valid) and re-filled by an all-gather:
 - forward: before a unit runs (the next unit in forward order is prefetched), released
-  after it;
+  after it (but not after a forward recomputed in backward: its backward comes next);
 - backward: when the gradient of a unit's output arrives (the unit before it is
   prefetched), released when the gradient of its input arrives (its backward is done), or
   at the end of the synchronization for a unit whose input needs none (an embedding).
@@ -117,7 +117,7 @@ class ParameterShards:
     def _before_forward(self, path: str, inputs: Any) -> None:
         if path not in self._order:
             self._order.append(path)
-        if torch.is_grad_enabled():  # its backward is done when its input's gradient arrives
+        if torch.is_grad_enabled() and not _in_backward():  # its backward is done when its input's gradient arrives
             for tensor in _tensors(inputs):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, path=path: self._after_backward(path))
@@ -128,6 +128,8 @@ class ParameterShards:
             self._gather(bucket, wait_now=False)  # prefetch
 
     def _after_forward(self, path: str, output: Any) -> None:
+        if _in_backward():  # recomputed for backward (activation recompute): still needed there
+            return
         for bucket in self._needed[path]:
             self._release(bucket)
         if torch.is_grad_enabled():
@@ -145,6 +147,11 @@ class ParameterShards:
     def _after_backward(self, path: str) -> None:
         for bucket in self._needed[path]:
             self._release(bucket)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recompute's forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

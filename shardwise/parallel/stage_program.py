@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..batch import loss_of
 from ..errors import ModelError
-from ..tensors import tensor_leaves
+from ..tensors import is_kv_cache, tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class _Builder:
         model builds a fresh cache in a training forward, changes nothing the unit computes
         and is replayed as None; a cache holding earlier keys is refused."""
         for leaf in tree_flatten((args, kwargs))[0]:
-            if not _is_cache(leaf) or id(leaf) in self.empty_caches:
+            if not is_kv_cache(leaf) or id(leaf) in self.empty_caches:
                 continue
             if leaf.get_seq_length() != 0:
                 raise ModelError(f"the forward passes a {type(leaf).__name__} holding earlier keys and values to "
@@ -234,11 +234,6 @@ def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode
     units = candidate_units(module)
     shadow, fake_mode = fake_shadow(module, fake_mode)
     return capture(shadow, fake_mode, microbatch, units), shadow, fake_mode, units
-
-
-def _is_cache(leaf: Any) -> bool:
-    return not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "get_seq_length", None)) \
-        and hasattr(leaf, "update")
 
 
 def _is_fake(t: torch.Tensor) -> bool:

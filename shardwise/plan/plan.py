@@ -120,7 +120,7 @@ class Plan:
     stages: pipeline stages, as the module paths that begin stages 1..n-1 (["layers.4"]) or as
         every stage's modules ([["wte", "layers.0"], ["layers.1", "lm_head"]]); None: balanced
         automatically. virtual_stages: stages per pipeline rank (interleaved schedules).
-    zero: ZeRO stage, or None to take the config's.
+    zero: ZeRO stage, or None to take the config's (a config asking for another stage is refused).
     recompute: patterns of modules whose activations are recomputed in backward.
     loss_parallel: column-parallel heads whose vocabulary-sharded logits reach the loss as
         DTensors, so cross-entropy runs vocab-parallel and the logits are never gathered.
@@ -162,6 +162,8 @@ class Plan:
         if self.virtual_stages is not None and (isinstance(self.virtual_stages, bool)
                                                 or not isinstance(self.virtual_stages, int) or self.virtual_stages < 1):
             raise PlanError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
+            raise PlanError(f"plan zero={self.zero!r} must be a ZeRO stage 0-3, or None to take the config's")
         for name in ("recompute", "loss_parallel", "divide_by_tp"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

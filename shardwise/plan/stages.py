@@ -70,11 +70,17 @@ def _span(paths: list[str]) -> str:
     return paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]} ({len(paths)} modules)"
 
 
-def candidate_units(module: nn.Module) -> list[str]:
-    """Unit paths (not yet ordered): siblings along the path to the main layer list, and its entries."""
+def layer_list(module: nn.Module) -> str | None:
+    """Path of the model's main layer list: its ModuleList or Sequential holding the most
+    parameters (a transformer's blocks), or None when it has none."""
     lists = [(sum(p.numel() for p in m.parameters()), path) for path, m in module.named_modules()
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and path]
-    target = max(lists)[1] if lists else ""
+    return max(lists)[1] if lists else None
+
+
+def candidate_units(module: nn.Module) -> list[str]:
+    """Unit paths (not yet ordered): siblings along the path to the main layer list, and its entries."""
+    target = layer_list(module) or ""
     units, prefix = [], ""
     parts = target.split(".") if target else []
     for depth in range(len(parts) + 1):

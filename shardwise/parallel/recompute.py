@@ -1,0 +1,107 @@
+"""Activation recompute: modules whose activations are rebuilt in backward instead of kept.
+
+`apply_recompute` marks each chosen module with torch's composable, non-reentrant activation
+checkpoint (`torch.distributed._composable.checkpoint`): it works through forward hooks, so
+module paths, state-dict keys, tensor-parallel rules, ZeRO-3 gathers and pipeline stages see
+the same modules as without it, and the random state is restored for the recomputation, so
+dropout draws the same masks twice.
+
+Which modules: the plan's `recompute` patterns, exactly the modules they name; otherwise,
+with `config.recompute` set, every block of the model's main layer list.
+
+How much: "full" keeps only each module's inputs and recomputes everything inside it;
+"selective" keeps the outputs of matrix multiplications, attention and the collectives
+that finish a tensor-parallel block, and recomputes the cheap rest (norms, activations,
+residual adds, rotary embeddings): torch's selective activation checkpointing policy, as
+torchtitan's op-level mode. A plan naming modules with config.recompute=None recomputes
+them fully.
+
+A key/value cache handed to a recomputed module (Hugging Face layers get the empty
+`past_key_values` a training forward builds) would be filled twice, so the recomputation
+would see other keys than the forward: the module gets None instead, which computes the
+same outputs, as Hugging Face's own gradient checkpointing turns `use_cache` off. A cache
+already holding keys is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..config import ParallelConfig
+from ..errors import ModelError, PlanError
+from ..plan import ResolvedPlan
+from ..plan.stages import layer_list
+from ..tensors import is_kv_cache
+
+RECOMPUTE_MODES = ("full", "selective")
+
+
+def _saved_ops() -> set:
+    """Ops whose outputs selective recompute keeps: the expensive ones."""
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu"]
+    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("reduce_scatter_tensor", "all_reduce"):
+        if functional is not None and hasattr(functional, name):
+            ops.add(getattr(functional, name).default)
+    return ops
+
+
+def _selective_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan) -> list[str]:
+    """The module paths recompute applies to (see the module docstring)."""
+    if resolved.recompute:
+        paths = list(dict.fromkeys(resolved.recompute))
+        nested = [(a, b) for a in paths for b in paths if b.startswith(a + ".")]
+        if nested:
+            raise PlanError(f"plan recompute names {nested[0][1]!r} inside {nested[0][0]!r}, which is already "
+                            "recomputed whole; name one of them")
+        return paths
+    if config.recompute is None:
+        return []
+    blocks = layer_list(module)
+    if blocks is None:
+        raise PlanError(f"recompute={config.recompute!r} recomputes the blocks of the model's layer list, and "
+                        f"{type(module).__name__} has no ModuleList or Sequential; name the modules with "
+                        "Plan(recompute=[...])")
+    return [f"{blocks}.{name}" for name, _ in module.get_submodule(blocks).named_children()]
+
+
+def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan) -> list[str]:
+    """Mark the modules `recompute_targets` picks; returns their paths."""
+    paths = recompute_targets(module, config, resolved)
+    context_fn = None
+    if config.recompute == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts,
+                                       functools.partial(_selective_policy, _saved_ops()))
+    for path in paths:
+        target = module.get_submodule(path)
+        target.register_forward_pre_hook(functools.partial(_without_cache, path), with_kwargs=True)
+        checkpoint(target, context_fn=context_fn, preserve_rng_state=True)  # its hook runs after the one above
+    return paths
+
+
+def _without_cache(path: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """An empty key/value cache argument replaced by None (see the module docstring)."""
+    def strip(value):
+        if not is_kv_cache(value):
+            return value
+        if value.get_seq_length() != 0:
+            raise ModelError(f"{path} is recomputed in backward and was given a {type(value).__name__} holding "
+                             "keys; recompute needs use_cache=False (no past_key_values) when training")
+        return None
+
+    if not any(is_kv_cache(v) for v in (*args, *kwargs.values())):
+        return None
+    return tuple(strip(v) for v in args), {k: strip(v) for k, v in kwargs.items()}
