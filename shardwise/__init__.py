@@ -1,6 +1,7 @@
 """shardwise: train a single-device torch.nn.Module across many devices, computing what it computes on one."""
 
 from . import plan, testing
+from .activations import ActivationMemory, activation_memory
 from .checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .deferred import deferred_init
@@ -22,6 +23,7 @@ from .topology import Topology, init_distributed
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationMemory",
     "BatchError",
     "CheckpointError",
     "CommunicationError",
@@ -35,6 +37,7 @@ __all__ = [
     "RankFailedError",
     "ShardwiseError",
     "Topology",
+    "activation_memory",
     "build_optimizer",
     "data_parallel_info",
     "deferred_init",

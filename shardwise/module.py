@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from .activations import activation_memory
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .comm import broadcast_rng_state, broadcast_tensors
 from .config import ParallelConfig
@@ -414,8 +415,11 @@ class ParallelModule(nn.Module):
         return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),
                 "optimizer": storage_bytes(state) + self.masters.state_bytes()}
 
-    def summary(self) -> str:
-        """Layout, per-rank parameter bytes and communication per step, as text."""
+    def summary(self, batch: Any = None) -> str:
+        """Layout, per-rank parameter bytes and communication per step, as text; given a
+        `batch`, also the activation bytes one microbatch saves for backward (collective then:
+        every rank calls it, as sw.activation_memory)."""
+        activations = activation_memory(self, batch) if batch is not None else None
         params = list(self.module.parameters())
         shards = [local(p) for p in params]
         numel = sum(t.numel() for t in shards)
@@ -459,6 +463,10 @@ class ParallelModule(nn.Module):
         memory = self.memory()
         lines.append("  memory      " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in memory.items())
                      + (f" (ZeRO-{self.config.zero})" if self.config.zero else ""))
+        recompute = f"; {len(self.recomputed)} module(s) recomputed ({self.config.recompute or 'full'})" \
+            if self.recomputed else ""
+        lines.append("  activations " + (activations.describe() if activations is not None
+                                         else "summary(batch) measures them") + recompute)
         return "\n".join(lines)
 
 
@@ -590,7 +598,7 @@ def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: Resolv
     if topology.sizes["tp"] > 1:
         pmodel.tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize)
     module.to(topology.device)
-    pmodel.recomputed = apply_recompute(module, config, resolved)
+    pmodel.recomputed = apply_recompute(module, config, resolved, pmodel.tensor_parallel)
     if pipelined is not None:
         pmodel.pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                                    config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,

@@ -241,3 +241,39 @@ def _other_model(path):
 
 def test_checkpoint_of_another_model(saved):
     assert sw.testing.run_on_ranks(_other_model, 1, str(saved[0])) == ["ok"]
+
+
+def _llama(seed: int):
+    from test_zoo import make
+
+    torch.manual_seed(seed)
+    model = make("llama")
+    if seed:  # other values than the saved model's: only the checkpoint can make them equal
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+    return model
+
+
+def _llama_across_layouts(root: str):
+    from test_zoo import batches
+
+    data = batches("llama", steps=2)
+    layouts = [({"tp": 2}, "llama"), ({"pp": 2, "microbatches": 2}, None), ({"tp": 2}, "llama")]
+    saved, loaded = None, []
+    for hop, (config, plan) in enumerate(layouts):
+        pm = sw.parallelize(_llama(hop), sw.ParallelConfig(**config), plan=plan, sample=replica_slice(data[0], 0, 2))
+        opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
+        if saved is None:
+            _train(pm, opt, data)
+        else:
+            sw.load_checkpoint(f"{root}/{hop - 1}", pm, opt)
+            loaded.append(all(torch.equal(v, saved[k]) for k, v in pm.full_state_dict().items()))
+        saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        sw.save_checkpoint(f"{root}/{hop}", pm, opt)
+    return loaded
+
+
+def test_hugging_face_llama_between_tensor_and_pipeline_layouts(tmp_path):
+    """Saved at tp2 x dp2, loaded exactly into pp2 x dp2, saved again and loaded back."""
+    assert sw.testing.run_on_ranks(_llama_across_layouts, 4, str(tmp_path)) == [[True, True]] * 4

@@ -163,10 +163,11 @@ def test_one_collective_forward_and_backward_per_column_row_pair(sequence_parall
         assert {op: n for op, n in per_layer.items() if n} == {"all_reduce": 4}
         assert per_layer_bytes["all_reduce"] == 4 * activation
         assert dp_calls == {}  # one replica, no partial gradients: nothing for the buckets
-    else:  # all-gather before each pair, reduce-scatter after it, and their transposes in backward
-        assert {op: n for op, n in per_layer.items() if n} == {"all_gather": 4, "reduce_scatter": 4}
+    else:  # all-gather before each pair, reduce-scatter after it, and their transposes in backward;
+        # backward gathers each pair's input again (saved as the sequence shard, as Megatron does)
+        assert {op: n for op, n in per_layer.items() if n} == {"all_gather": 6, "reduce_scatter": 4}
         assert per_layer_bytes["reduce_scatter"] == 4 * activation
-        assert per_layer_bytes["all_gather"] == 4 * activation // 2
+        assert per_layer_bytes["all_gather"] == 6 * activation // 2
         assert dp_calls == {"all_reduce": 2}  # norm/bias partial grads: one bucket per step, two steps
 
 

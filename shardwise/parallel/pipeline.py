@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..batch import batch_size, loss_of, map_tensors, split_batch
 from ..errors import BatchError
 from ..plan.stages import StageLayout
+from ..random_state import rng_state, set_rng_state, without_trace
 from ..tensors import tensor_leaves
 from ..topology import Topology
 from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, split
@@ -91,26 +92,15 @@ class RandomSchedule:
         for microbatch in range(microbatches):
             for index, stage in self.order:
                 if stage in self.mine:
-                    self.states[(index, microbatch)] = _rng_state(self.device)
+                    self.states[(index, microbatch)] = rng_state(self.device)
                 draw(self.recipes[index], self.device)
-        self.final = _rng_state(self.device)
+        self.final = rng_state(self.device)
 
     def enter(self, index: int, microbatch: int) -> None:
-        _set_rng_state(self.states[(index, microbatch)], self.device)
+        set_rng_state(self.states[(index, microbatch)], self.device)
 
     def finish(self) -> None:
-        _set_rng_state(self.final, self.device)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+        set_rng_state(self.final, self.device)
 
 
 class ScheduledStage(StageModule):
@@ -214,10 +204,8 @@ class Pipeline:
     def _forward_pass(self, program: Program, parts: list[StagePart], microbatch: Any) -> dict[int, tuple]:
         """Run `microbatch` through this rank's stages in order, receiving from and sending to
         the neighbours; random state and buffers are left as they were."""
-        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        state = _rng_state(self.device)
         examples = {}
-        try:
+        with without_trace(self.module, self.device):
             for stage in self.stages:
                 received: list[torch.Tensor] = []
                 if stage > 0:
@@ -228,11 +216,6 @@ class Pipeline:
                 examples[stage] = (tuple(received), out)
                 if stage + 1 < self.layout.num_stages:
                     self._send(list(out), self.owner(stage + 1))
-        finally:
-            _set_rng_state(state, self.device)
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
         return examples
 
     def _send(self, tensors: list[torch.Tensor], dst: int) -> None:

@@ -11,7 +11,8 @@ with `config.recompute` set, every block of the model's main layer list.
 
 How much: "full" keeps only each module's inputs and recomputes everything inside it;
 "selective" keeps the outputs of matrix multiplications, attention and the collectives
-that finish a tensor-parallel block, and recomputes the cheap rest (norms, activations,
+that finish a tensor-parallel block (a row-parallel matmul's full-size partial sum is
+recomputed instead: its reduced output is kept), and recomputes the cheap rest (norms, activations,
 residual adds, rotary embeddings): torch's selective activation checkpointing policy, as
 torchtitan's op-level mode. A plan naming modules with config.recompute=None recomputes
 them fully.
@@ -55,8 +56,10 @@ def _saved_ops() -> set:
     return ops
 
 
-def _selective_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+def _selective_policy(saved: set, tp, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in saved and not (tp is not None and tp.computing_partial):  # a partial sum: its reduction is kept
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan) -> list[str]:
@@ -78,13 +81,15 @@ def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: Resol
     return [f"{blocks}.{name}" for name, _ in module.get_submodule(blocks).named_children()]
 
 
-def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan) -> list[str]:
-    """Mark the modules `recompute_targets` picks; returns their paths."""
+def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan, tp=None) -> list[str]:
+    """Mark the modules `recompute_targets` picks; returns their paths. `tp`: the tensor
+    parallel executor, whose row-parallel matmuls (full-size partial sums) selective
+    recompute does not keep."""
     paths = recompute_targets(module, config, resolved)
     context_fn = None
     if config.recompute == "selective":
         context_fn = functools.partial(create_selective_checkpoint_contexts,
-                                       functools.partial(_selective_policy, _saved_ops()))
+                                       functools.partial(_selective_policy, _saved_ops(), tp))
     for path in paths:
         target = module.get_submodule(path)
         target.register_forward_pre_hook(functools.partial(_without_cache, path), with_kwargs=True)

@@ -96,6 +96,8 @@ class TensorParallel:
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
         self.first_forward_checked = False
         self._entered: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
+        self.computing_partial = False  # inside a row-parallel matmul (its output is a partial sum)
 
     @property
     def loss_parallel(self) -> bool:
@@ -130,10 +132,30 @@ class TensorParallel:
         hit = self._entered.get(key)
         if hit is None or hit[0] is not x:
             hit = self._entered[key] = (x, enter_parallel(x, src, self.group))
+            if isinstance(src, Shard) and hit[1] is not x:
+                gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
+                self._gathered[hit[1].untyped_storage()._cdata] = gathered
         return hit[1]
 
     def end_forward(self) -> None:
         self._entered.clear()
+        self._gathered.clear()
+
+    def keeping_shards(self) -> contextlib.AbstractContextManager:
+        """Around a column-parallel module's compute: an input all-gathered from sequence
+        shards is saved for backward as this rank's shard and gathered again when backward
+        needs it (as Megatron's sequence parallelism does), so activation memory is 1/tp.
+        Not inside recompute, whose own hooks already keep nothing."""
+        if not self._gathered or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        gathered = self._gathered.get(tensor.untyped_storage()._cdata) if type(tensor) is torch.Tensor else None
+        if gathered is None:
+            return tensor
+        gathered.pending += 1
+        return gathered, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
 
     def leave(self, y: torch.Tensor, path: str, natural: Placement) -> torch.Tensor:
         default = Replicate() if isinstance(natural, Partial) else natural
@@ -144,22 +166,51 @@ class TensorParallel:
         return y
 
 
+class _GatheredInput:
+    """A sequence shard whose all-gather a backward will need again."""
+
+    def __init__(self, shard: torch.Tensor, dim: int, group):
+        self.shard, self.dim, self.group = shard, dim, group
+        self.pending = 0  # saved references not yet unpacked
+        self.full: torch.Tensor | None = None  # gathered once per backward, for all of them
+
+    def unpack(self, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
+        if self.full is None:
+            with torch.no_grad():
+                self.full = redistribute(self.shard, Shard(self.dim), Replicate(), self.group)
+        full = self.full
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None
+        return full.as_strided(shape, stride, offset)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed[0].unpack(*packed[1:]) if isinstance(packed, tuple) else packed
+
+
 # -- rules: local compute of tensor-parallel modules -----------------------------------
 def _column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     x = tp.enter(x, tp.input_placement(path, Replicate()))
     weight, bias = _shard(module.weight), _shard(module.bias)
-    if _is_conv1d(module):
-        y = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
-        y = y.view(*x.shape[:-1], -1)
-    else:
-        y = F.linear(x, weight, bias)
+    with tp.keeping_shards():
+        if _is_conv1d(module):
+            flat = x.reshape(-1, x.shape[-1])
+            y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, weight, bias)
     return tp.leave(y, path, Shard(-1))
 
 
 def _row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
     weight = _shard(module.weight)
-    y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
+    tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
+    try:
+        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
+    finally:
+        tp.computing_partial = False
     y = tp.leave(y, path, Partial())
     return y if module.bias is None else y + _shard(module.bias)
 

@@ -1,0 +1,152 @@
+"""Activation memory: the bytes one microbatch's forward keeps alive for its backward, on this rank.
+
+Measured, not estimated. A dispatch mode notes the storage of every tensor the forward
+creates (a DTensor's local shard) with a weak reference, and the unit that was running (a
+module around the model's layer list, or one of its blocks). After the forward, holding
+only what a training step holds until backward (the loss; a pipeline stage's outputs), the
+storages still alive are exactly what autograd saved: activations, the inputs full
+recompute keeps, the outputs selective recompute keeps. Parameters, gradients and the
+batch existed before and are not counted. Random state and buffers are restored after, so
+measuring changes nothing about training.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .batch import loss_of
+from .plan.stages import candidate_units, layer_list
+from .random_state import without_trace
+from .tensors import tensor_leaves
+
+OUTSIDE = "(outside any unit)"
+
+
+@dataclass
+class ActivationMemory:
+    """Bytes saved for backward by one microbatch on this rank, in all and by unit."""
+
+    total: int
+    by_unit: dict[str, int] = field(default_factory=dict)  # unit path -> bytes it created and autograd kept
+    layers: list[str] = field(default_factory=list)  # the layer-list blocks this rank ran
+
+    @property
+    def per_layer(self) -> float:
+        """Mean bytes over the blocks of the layer list this rank ran (0 when it ran none)."""
+        return sum(self.by_unit.get(p, 0) for p in self.layers) / len(self.layers) if self.layers else 0.0
+
+    def describe(self) -> str:
+        mib = 2.0 ** 20
+        return (f"{self.total / mib:.2f} MiB saved for backward per microbatch"
+                + (f", {self.per_layer / mib:.3f} MiB per layer over {len(self.layers)} layers" if self.layers else ""))
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage holding `tensor`'s data on this rank (a DTensor's local shard)."""
+    while True:
+        if hasattr(tensor, "_local_tensor"):
+            tensor = tensor._local_tensor
+        elif hasattr(tensor, "elem") and isinstance(tensor.elem, torch.Tensor):  # an async collective's result
+            tensor = tensor.elem
+        else:
+            break
+    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        return None
+    return tensor.untyped_storage()
+
+
+class _Creations(TorchDispatchMode):
+    """Notes every new storage an op returns, charged to the running unit."""
+
+    def __init__(self, existing: set[int]):
+        super().__init__()
+        self.existing = existing
+        self.created: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self.units: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                storage = _storage(leaf)
+                if storage is not None and storage._cdata not in self.existing and storage._cdata not in self.created:
+                    unit = self.units[-1] if self.units else OUTSIDE
+                    self.created[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), unit)
+        return out
+
+    def alive(self) -> dict[str, int]:
+        by_unit: dict[str, int] = {}
+        for ref, nbytes, unit in self.created.values():
+            if not ref.expired():
+                by_unit[unit] = by_unit.get(unit, 0) + nbytes
+        return by_unit
+
+
+def activation_memory(pmodel, batch: Any) -> ActivationMemory:
+    """Bytes one microbatch of `batch` keeps for backward on this rank (see the module
+    docstring). Collective, like train_step: every rank calls it with its own batch."""
+    parts = pmodel.config.microbatches
+    batch, microbatches, _ = pmodel._agree_on_batch("activation_memory", batch, parts, check=True)
+    module = pmodel.module
+    units = candidate_units(module)
+    blocks = layer_list(module)
+    existing = {s._cdata for t in [*module.parameters(), *module.buffers(), *_grads(pmodel), *tensor_leaves(batch)]
+                if (s := _storage(t)) is not None}
+    creations = _Creations(existing)
+    handles = []
+    for path in units:
+        unit = module.get_submodule(path)
+        handles.append(unit.register_forward_pre_hook(lambda m, a, path=path: creations.units.append(path)))
+        handles.append(unit.register_forward_hook(lambda m, a, o: creations.units.pop() and None))
+    ran: list[str] = []
+    handles += [module.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: ran.append(p)) for p in units]
+    try:
+        with pmodel._in_step("activation_memory"), without_trace(module, pmodel.topology.device), \
+                torch.enable_grad(), pmodel._compute():
+            kept = _forward(pmodel, microbatches[0], creations)
+            gc.collect()
+            by_unit = creations.alive()
+            del kept
+    finally:
+        for handle in handles:
+            handle.remove()
+        if pmodel.param_shards is not None:
+            pmodel.param_shards.release_all()
+    layers = [p for p in dict.fromkeys(ran) if blocks is not None and p.startswith(blocks + ".")]
+    return ActivationMemory(sum(by_unit.values()), by_unit, layers)
+
+
+def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tensor]:
+    """One training forward of this rank's part, under `creations`: what a step keeps until backward."""
+    pipeline = pmodel.pipeline
+    if pipeline is None:
+        with creations:
+            return [loss_of(pmodel._run(microbatch))]
+    from .parallel.stage_program import StageModule
+
+    compiled = pipeline.compiled(microbatch)
+    kept = []
+    for stage in pipeline.stages:
+        received, _ = compiled.examples[stage]
+        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in received]
+        last = stage == pipeline.layout.num_stages - 1
+        part = StageModule(pmodel.module, compiled.program, compiled.parts[stage], last, pipeline.device)
+        with creations:
+            out = pmodel._forward_pass(lambda: part(*inputs, batch=microbatch))
+        kept += [loss_of(out)] if last else tensor_leaves(out)
+    return kept
+
+
+def _grads(pmodel) -> list[torch.Tensor]:
+    grads = [p.grad for p in pmodel.module.parameters() if p.grad is not None]
+    for bucket in pmodel.gradients.buckets:
+        grads += [t for t in (bucket.buffer, bucket.shard, getattr(bucket, "param_buffer", None),
+                              getattr(bucket, "param_shard", None)) if t is not None]
+    return grads

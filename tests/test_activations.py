@@ -1,0 +1,109 @@
+"""Activation memory, measured by sw.activation_memory, against the bytes each layout must keep.
+
+Per block, in float32 elements (4 bytes each), with s the sequence, b the microbatch, h the
+width, f the MLP width, a the heads, t the tp degree; counting each tensor autograd keeps
+once, charged to the block that makes it (the block's input belongs to the block before):
+
+  no recompute  sbh (N + 6 + M) + stats + asb
+                N: norm outputs kept (LayerNorm's kernel keeps its output: 1 per norm, 2 in
+                all; Hugging Face's RMSNorm keeps x*rsqrt and the output: 4 in all);
+                6: q, k, v (after rotary), attention output, the two residual sums;
+                M: MLP tensors (GELU: fc1 out, gelu out = 2f/h; SwiGLU: gate, up, silu,
+                product = 4f/h); stats: LayerNorm mean+rstd 4sb, RMSNorm rsqrt 2sb;
+                asb: attention's log-sum-exp (fused attention keeps no s x s scores)
+  tp=t          the norms and residual sums replicated, the rest sharded by heads or
+                MLP columns: sbh (N + 2 + (4 + M)/t) + stats + asb/t
+  tp=t + sp     everything on sequence shards (the column linears keep the shard of their
+                all-gathered input and gather again in backward): all of the above / t
+  selective     kept: the matmul outputs q, k, v, o, the MLP's up projection(s) (K f/h, K =
+                1 for GELU, 2 for SwiGLU), its down projection, attention output + asb and
+                the block output: sbh (7 + K f/h) + asb; under tp the row-parallel outputs
+                (o, down) and the block output are kept reduced: sbh (3 + (4 + K f/h)/t)
+                without sp, everything / t with sp
+  full          the block output only (the next block's saved input): sbh, or sbh/t with sp
+
+This adapts Korthikanti et al. (arXiv 2205.05198, Table 2): their sbh(34 + 5as/h) bytes
+count 16-bit activations, dropout masks and materialized attention scores; their tp+sp
+formula divides all of it by t, and full recompute keeps 2sbh bytes (one 16-bit tensor).
+The sizes are arithmetic; the 10% margin (the issue's) absorbs nothing a correct run
+needs, and is far below what any fault changes (no recompute: 16x; gathered inputs kept
+whole under sp: +12%).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import shardwise as sw
+from parity import make_gpt
+
+S, B, H, A = 64, 8, 64, 4  # sequence, microbatch, width, heads
+MARGIN = 0.10
+GPT = dict(norms=2, stats=4, mlp=2 * 4, ups=4)  # LayerNorm; GELU MLP of width 4h
+LLAMA = dict(norms=4, stats=2, mlp=4 * 2, ups=2 * 2)  # RMSNorm; SwiGLU MLP of width 2h
+
+
+def expected(model: dict, recompute: str | None, t: int, sp: bool) -> float:
+    """Bytes one block keeps (see the module docstring)."""
+    sbh, sb, asb = S * B * H, S * B, A * S * B
+    if recompute == "full":
+        elements = sbh / t if sp else sbh
+    elif recompute == "selective":
+        if t == 1 or sp:
+            elements = (sbh * (7 + model["ups"]) + asb) / t
+        else:
+            elements = sbh * (3 + (4 + model["ups"]) / t) + asb / t
+    elif t == 1 or sp:
+        elements = (sbh * (model["norms"] + 6 + model["mlp"]) + model["stats"] * sb + asb) / t
+    else:
+        elements = sbh * (model["norms"] + 2 + (4 + model["mlp"]) / t) + model["stats"] * sb + asb / t
+    return 4 * elements
+
+
+def _llama():
+    from test_zoo import EndToEnd
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=H, num_attention_heads=A, num_key_value_heads=A,
+                                      num_hidden_layers=2, intermediate_size=2 * H, max_position_embeddings=2 * S)
+    return EndToEnd(transformers.LlamaForCausalLM(config))
+
+
+def _measure(cases):
+    ids = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    out = []
+    for kind, config in cases:
+        plan = kind if config.get("tp", 1) > 1 else None
+        if kind == "gpt":
+            model, batch = make_gpt(0, n_layer=2, d_model=H, n_head=A, block_size=S), ids
+        else:
+            model, batch = _llama(), {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan)
+        memory = sw.activation_memory(pm, batch)
+        assert memory.layers == [f"{'lm.model.' if kind == 'llama' else ''}layers.{i}" for i in range(2)]
+        assert f"activations {memory.describe()}" in pm.summary(batch)
+        out.append(memory.per_layer)
+    return out
+
+
+RECOMPUTE = [None, "selective", "full"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_saved_bytes_per_layer_match_the_formula(world):
+    layouts = [{}] if world == 1 else [{"tp": 2}, {"tp": 2, "sequence_parallel": True}]
+    cases = [(kind, {**layout, "recompute": r}) for kind in ("gpt", "llama") for layout in layouts
+             for r in RECOMPUTE if kind == "gpt" or not layout.get("sequence_parallel")]
+    measured = sw.testing.run_on_ranks(_measure, world, cases)
+    for rank_values in measured:
+        for (kind, config), got in zip(cases, rank_values):
+            want = expected(GPT if kind == "gpt" else LLAMA, config["recompute"], config.get("tp", 1),
+                            config.get("sequence_parallel", False))
+            assert abs(got - want) <= MARGIN * want, f"{kind} {config}: {got:.0f} bytes per layer, formula {want:.0f}"
+    by_case = dict(zip([(k, tuple(sorted(c.items(), key=str))) for k, c in cases], measured[0]))
+    for kind, config in cases:  # full recompute keeps at most a fifth of what no recompute keeps
+        if config["recompute"] == "full":
+            none = by_case[(kind, tuple(sorted({**config, "recompute": None}.items(), key=str)))]
+            assert by_case[(kind, tuple(sorted(config.items(), key=str)))] <= none / 5
