@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
-          "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored")
+          "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
+          "pp-random-unscheduled")
 
 
 def from_environment() -> str | None:
@@ -85,5 +86,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "recompute-rng-not-restored":  # the recomputation draws fresh dropout masks
         original_checkpoint = recompute.checkpoint
         recompute.checkpoint = lambda module, **kwargs: original_checkpoint(module, **{**kwargs, "preserve_rng_state": False})
+    elif name == "pp-random-unscheduled":  # pipeline stages draw dropout masks as they run
+        pipeline.RandomSchedule.active = property(lambda self: False)
     else:
         raise ValueError(f"unknown fault {name!r}; faults: {FAULTS}")

@@ -62,6 +62,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
+from shardwise.batch import split_batch
 from shardwise.models import GPT, CharTokenizer, GPTConfig, tiny_corpus
 
 U = 2.0 ** -24
@@ -166,8 +167,11 @@ def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan
     return run
 
 
-def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None = None, optimizer: str = "sgd") -> Run:
-    """Plain torch on one process: every step's gradients (as the optimizer saw them, after clipping)."""
+def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None = None, optimizer: str = "sgd",
+                  microbatches: int = 1) -> Run:
+    """Plain torch on one process: every step's gradients (as the optimizer saw them, after clipping).
+    With `microbatches`, each batch runs as that many slices in order, losses averaged (the
+    random numbers one process draws for them: the reference for dropout under pp)."""
     model = factory()
     cls, kwargs = optimizer_for(optimizer)
     opt = cls(model.parameters(), **kwargs)
@@ -177,8 +181,15 @@ def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None 
         first.setdefault(id(param), name)
     run.parameter_of = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     for batch in batches:
-        loss = _loss_value(model(batch))
-        loss.backward()
+        if microbatches == 1:
+            loss = _loss_value(model(batch))
+            loss.backward()
+        else:
+            losses = []
+            for part in split_batch(batch, microbatches):
+                losses.append(_loss_value(model(part)))
+                (losses[-1] / microbatches).backward()
+            loss = torch.stack([l.detach() for l in losses]).mean()
         run.grads.append(full_grads(model))  # as full_grad_dict shows them: before clipping (which only shrinks)
         if clip is not None:
             run.norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -321,6 +332,7 @@ class Case:
     batches: list
     plan: Any = None
     optimizer: str = "sgd"
+    reference_microbatches: int = 1  # the reference runs the batch in this many slices
 
 
 def _train_cases(cases: list[Case]) -> list[Run]:
@@ -332,7 +344,8 @@ def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
     each case trains in turn on every rank and is compared with its own one-process run."""
     references = []
     for case in cases:
-        references.append(reference_run(case.factory, case.batches, optimizer=case.optimizer))
+        references.append(reference_run(case.factory, case.batches, optimizer=case.optimizer,
+                                        microbatches=case.reference_microbatches))
         assert_meaningful(references[-1], case.optimizer)
     results = sw.testing.run_on_ranks(_train_cases, world, cases)
     worst: dict[str, dict[str, float]] = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from parity import gpt_batches, make_gpt, run_and_compare
+from parity import Case, compare_cases, gpt_batches, make_gpt, run_and_compare
 from shardwise.parallel.stage_program import capture_module
 from shardwise.plan.stages import balance, layout_stages
 
@@ -73,3 +73,12 @@ def test_automatic_split_balances_cost():
     costs = [layout.cost(s) for s in range(3)]
     assert max(costs) / min(costs) < 1.3, costs
     assert layout.units_of(0)[0] == "wte" and layout.units_of(2)[-1] == "lm_head"
+
+
+def test_dropout_under_pp_draws_the_masks_of_one_process():
+    """Embedding and residual dropout on every stage: the masks one process draws running the
+    same microbatches in order (each rank replays the other stages' draws)."""
+    factory = functools.partial(make_gpt, 0, n_layer=4, dropout=0.2)
+    cases = [Case(f"pp2 {schedule}", {"pp": 2, "microbatches": 4, "schedule": schedule}, factory, gpt_batches(4, 8),
+                  reference_microbatches=4) for schedule in ("1f1b", "interleaved-1f1b")]
+    compare_cases(2, cases)
