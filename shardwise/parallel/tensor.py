@@ -43,33 +43,15 @@ from ..comm import broadcast_tensors
 from ..errors import PlanError
 from ..plan.plan import placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
+from ..tensors import is_sharded, local, shard_of  # noqa: F401 - re-exported for the executors
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
 from .tensor_check import checked_forward
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard, or the tensor itself (no autograd)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
     """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(not isinstance(p, Replicate) for p in tensor.placements)
-
-
-def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s piece of `full` under `placement` (a view; no communication)."""
-    if isinstance(placement, _StridedShard):  # each of split_factor blocks sharded
-        blocks = full.chunk(placement.split_factor, placement.dim)
-        return torch.cat([b.chunk(size, placement.dim)[rank] for b in blocks], placement.dim)
-    if isinstance(placement, Shard):
-        return full.chunk(size, placement.dim)[rank]
-    return full
 
 
 def _is_deferred(t: torch.Tensor) -> bool:
