@@ -97,16 +97,25 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
     module = pmodel.module
     units = candidate_units(module)
     blocks = layer_list(module)
-    existing = {s._cdata for t in [*module.parameters(), *module.buffers(), *_grads(pmodel), *tensor_leaves(batch)]
-                if (s := _storage(t)) is not None}
+    params, grads = pmodel.held_tensors()
+    gathered = [getattr(b, "param_buffer", None) for b in pmodel.gradients.buckets]  # ZeRO-3's whole buffers
+    existing = {s._cdata for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)]
+                if t is not None and (s := _storage(t)) is not None}
     creations = _Creations(existing)
+    ran: list[str] = []
+
+    def enter(path: str) -> None:
+        creations.units.append(path)
+        ran.append(path)
+
+    def leave() -> None:
+        creations.units.pop()
+
     handles = []
     for path in units:
         unit = module.get_submodule(path)
-        handles.append(unit.register_forward_pre_hook(lambda m, a, path=path: creations.units.append(path)))
-        handles.append(unit.register_forward_hook(lambda m, a, o: creations.units.pop() and None))
-    ran: list[str] = []
-    handles += [module.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: ran.append(p)) for p in units]
+        handles.append(unit.register_forward_pre_hook(lambda m, a, path=path: enter(path)))
+        handles.append(unit.register_forward_hook(lambda m, a, o: leave()))
     try:
         with pmodel._in_step("activation_memory"), without_trace(module, pmodel.topology.device), \
                 torch.enable_grad(), pmodel._compute():
@@ -142,11 +151,3 @@ def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tenso
             out = pmodel._forward_pass(lambda: part(*inputs, batch=microbatch))
         kept += [loss_of(out)] if last else tensor_leaves(out)
     return kept
-
-
-def _grads(pmodel) -> list[torch.Tensor]:
-    grads = [p.grad for p in pmodel.module.parameters() if p.grad is not None]
-    for bucket in pmodel.gradients.buckets:
-        grads += [t for t in (bucket.buffer, bucket.shard, getattr(bucket, "param_buffer", None),
-                              getattr(bucket, "param_shard", None)) if t is not None]
-    return grads

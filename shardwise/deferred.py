@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import ModelError
-from .parallel.tensor import shard_of
+from .tensors import shard_of
 
 _ATTR = "_shardwise_deferred"
 

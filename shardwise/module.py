@@ -37,8 +37,8 @@ from .parallel.collectives import all_gather_single
 from .parallel.data import MiB, GradientBuckets, apply_data_parallel
 from .parallel.fsdp import ParameterShards
 from .parallel.zero import MasterWeights
-from .parallel.tensor import (TensorParallel, apply_tensor_parallel, is_sharded, local, shard_of,
-                              tensor_parallel_rules)
+from .parallel.tensor import TensorParallel, apply_tensor_parallel, tensor_parallel_rules
+from .tensors import is_sharded, local, shard_of
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.stage_program import capture_module, split
@@ -395,6 +395,14 @@ class ParallelModule(nn.Module):
         self.masters.reload()
 
     # reporting -----------------------------------------------------------------------
+    def held_tensors(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """This rank's parameter tensors (local shards, ZeRO shards) and gradient tensors
+        (local gradients, bucket buffers and shards); None where a bucket has none."""
+        buckets = self.gradients.buckets
+        params = [local(p) for p in self.module.parameters()] + [getattr(b, "param_shard", None) for b in buckets]
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        return params, grads + [b.buffer for b in buckets] + [b.shard for b in buckets]
+
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters, gradients, and the optimizer state (of the
         optimizers built with `sw.build_optimizer`, master weights included)."""
@@ -406,10 +414,7 @@ class ParallelModule(nn.Module):
                     seen[storage.data_ptr()] = storage.nbytes()
             return sum(seen.values())
 
-        params = [local(p) for p in self.module.parameters()]
-        params += [getattr(b, "param_shard", None) for b in self.gradients.buckets]
-        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        grads += [b.buffer for b in self.gradients.buckets] + [b.shard for b in self.gradients.buckets]
+        params, grads = self.held_tensors()
         state = [v for opt in self._optimizers for s in opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor)]
         return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),

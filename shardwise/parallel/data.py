@@ -44,7 +44,8 @@ from ..comm import CommStats, all_gather_single, broadcast_tensors, coalesce, re
 from ..config import ParallelConfig
 from ..errors import ShardwiseError
 from ..topology import Topology
-from .tensor import TensorParallel, local
+from ..tensors import local
+from .tensor import TensorParallel
 
 MiB = 1 << 20
 SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)

@@ -27,7 +27,6 @@ dimension concatenated, scalars (a mean loss) averaged over the equal microbatch
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,10 +36,9 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..batch import batch_size, loss_of, map_tensors, split_batch
-from ..errors import BatchError
 from ..plan.stages import StageLayout
 from ..random_state import rng_state, set_rng_state, without_trace
 from ..tensors import tensor_leaves

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..batch import loss_of
 from ..errors import ModelError
@@ -71,9 +71,7 @@ class Step:
     args: Any  # pytree with Ref/Named leaves for tensors, constants otherwise
     kwargs: Any
     outputs: list[int]  # value ids of the tensor leaves of the result
-    out_spec: Any  # pytree spec of the result; tensor positions in `tensor_slots`
-    tensor_slots: list[int]
-    constants: list[Any]  # the result's leaves, with None where a tensor was
+    tensor_slots: list[int]  # positions of the result's tensor leaves (in pytree flatten order)
     grad: bool  # grad mode it ran in
     random: list  # recipes of the random ops it runs (for the one-process RNG schedule)
 
@@ -207,12 +205,11 @@ class _Builder:
         )
 
     def record(self, func, unit, args, kwargs, out) -> None:
-        leaves, spec = tree_flatten(out)
+        leaves = tree_flatten(out)[0]
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         refs = tree_map(self.ref, args), tree_map(self.ref, kwargs)
         outputs = [self.bind(leaves[i]) for i in slots]
-        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.steps.append(Step(len(self.steps), func, unit, refs[0], refs[1], outputs, spec, slots, constants,
+        self.steps.append(Step(len(self.steps), func, unit, refs[0], refs[1], outputs, slots,
                                torch.is_grad_enabled(), self.random_ops))
         self.random_ops = []
 

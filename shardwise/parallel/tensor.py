@@ -43,7 +43,7 @@ from ..comm import broadcast_tensors
 from ..errors import PlanError
 from ..plan.plan import placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
-from ..tensors import is_sharded, local, shard_of  # noqa: F401 - re-exported for the executors
+from ..tensors import is_sharded, local
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
 from .tensor_check import checked_forward

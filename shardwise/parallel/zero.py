@@ -27,7 +27,7 @@ from torch import nn
 from ..comm import all_gather_single, wait
 from ..topology import Topology
 from .data import Bucket, GradientBuckets
-from .tensor import is_sharded, local
+from ..tensors import is_sharded, local
 
 
 @dataclass

@@ -14,10 +14,8 @@ interleaved schedules expect).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import torch
 from torch import nn
 from ..config import ParallelConfig
 from ..errors import ModelError, PlanError
@@ -41,7 +39,6 @@ class StageLayout:
     stage_of: dict[str, int]
     num_stages: int
     pp: int
-    calls: list[str] = field(default_factory=list)  # param-holding unit calls, in order
 
     @property
     def virtual(self) -> int:
@@ -194,7 +191,7 @@ def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program
             raise PlanError(f"pipeline stage {s} ({_span([u.path for u in units[start:end]])}) holds no parameters")
         for u in units[start:end]:
             stage_of[u.path] = s
-    layout = StageLayout(units, stage_of, num_stages, config.pp, calls)
+    layout = StageLayout(units, stage_of, num_stages, config.pp)
     order = [layout.stage_of[c] for c in calls]
     for prev, nxt, path in zip(order, order[1:], calls[1:]):
         if nxt < prev:
