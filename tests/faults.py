@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
-          "pp-random-unscheduled")
+          "pp-random-unscheduled", "gathered-input-reduced-twice")
 
 
 def from_environment() -> str | None:
@@ -88,5 +88,14 @@ def inject(name: str, config: dict) -> None:
         recompute.checkpoint = lambda module, **kwargs: original_checkpoint(module, **{**kwargs, "preserve_rng_state": False})
     elif name == "pp-random-unscheduled":  # pipeline stages draw dropout masks as they run
         pipeline.RandomSchedule.active = property(lambda self: False)
+    elif name == "gathered-input-reduced-twice":  # q, k, v all-reduce an input a conversion already gathered
+        original_convert = tensor.TensorParallel.convert_input
+
+        def forgetting(self, *args, **kwargs):
+            out = original_convert(self, *args, **kwargs)
+            self._entered_storages.clear()
+            return out
+
+        tensor.TensorParallel.convert_input = forgetting
     else:
         raise ValueError(f"unknown fault {name!r}; faults: {FAULTS}")

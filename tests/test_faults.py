@@ -13,10 +13,12 @@ import pytest
 
 import shardwise as sw
 from parity import gpt_batches, make_gpt, run_and_compare
+from test_zoo import batches as hf_batches
+from test_zoo import make as make_hf
 
 SHARDWISE_ERRORS = {name for name, value in vars(sw.errors).items()
                     if isinstance(value, type) and issubclass(value, sw.ShardwiseError)}
-CASES = [  # fault, ranks, config, plan, model overrides, optimizer
+CASES = [  # fault, ranks, config, plan, model (GPT overrides, or a Hugging Face kind), optimizer
     ("sum-not-mean", 2, {}, None, {}, "sgd"),
     ("no-all-reduce", 2, {}, None, {}, "sgd"),
     ("microbatch-sum", 2, {"microbatches": 4}, None, {}, "sgd"),
@@ -25,13 +27,16 @@ CASES = [  # fault, ranks, config, plan, model overrides, optimizer
     ("tied-not-summed", 2, {"pp": 2, "microbatches": 2}, None, {"n_layer": 4}, "sgd"),
     ("dropout-per-shard", 2, {"tp": 2, "sequence_parallel": True}, "gpt", {"dropout": 0.2}, "sgd"),
     ("recompute-rng-not-restored", 2, {"tp": 2, "recompute": "full"}, "gpt", {"dropout": 0.2}, "sgd"),
+    ("gathered-input-reduced-twice", 2, {"tp": 2, "sequence_parallel": True}, "llama", "llama", "sgd"),
 ]
 
 
 @pytest.mark.parametrize("fault, world, config, plan, model, optimizer", CASES, ids=[c[0] for c in CASES])
 def test_parity_check_fails_under_fault(fault, world, config, plan, model, optimizer):
-    factory = functools.partial(make_gpt, 0, **model)
-    batches = gpt_batches(3, 8)
+    if isinstance(model, str):  # a Hugging Face model of tests/test_zoo.py
+        factory, batches = functools.partial(make_hf, model), hf_batches(model)
+    else:
+        factory, batches = functools.partial(make_gpt, 0, **model), gpt_batches(3, 8)
     run_and_compare(world, config, factory, batches, plan=plan, optimizer=optimizer)  # healthy: passes
     with pytest.raises((AssertionError, sw.RankFailedError)) as caught:
         run_and_compare(world, config, factory, batches, plan=plan, optimizer=optimizer, fault=fault)

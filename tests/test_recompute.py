@@ -28,6 +28,8 @@ def test_recompute_parity_on_two_ranks():
                  gpt_batches(4, 4), plan="gpt"),
             Case(f"gpt pp2 {mode}", {"pp": 2, "microbatches": 2, "recompute": mode}, gpt, gpt_batches(4, 8)),
             Case(f"llama dp2 {mode}", {"recompute": mode}, llama, hf_batches("llama")),
+            Case(f"llama tp2 sp {mode}", {"tp": 2, "sequence_parallel": True, "recompute": mode}, llama,
+                 hf_batches("llama"), plan="llama"),
             Case(f"llama pp2 {mode}", {"pp": 2, "microbatches": 2, "recompute": mode}, llama, hf_batches("llama")),
         ]
     compare_cases(2, cases)

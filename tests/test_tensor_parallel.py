@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -256,3 +257,50 @@ def test_replicated_params_on_undeclared_shards_are_caught_on_every_rank():
     messages = sw.testing.run_on_ranks(_undeclared_sequence_shards, 2)
     assert messages[0] == messages[1]
     assert "'layers.0.ln2.weight'" in messages[0] and "different gradients on different tp ranks" in messages[0]
+
+
+def _gathered_read_by_a_norm():
+    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2, sequence_parallel=True))
+    plan = plan.replace(activations={**plan.activations, "layers.*.input": "Shard(1) -> Replicate()"})  # ln1 reads it
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan=plan)
+    try:
+        pm.train_step(gpt_batches(1, 2)[0])
+    except sw.PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_gathered_input_read_by_a_replicated_module_is_refused():
+    """An input conversion Shard -> Replicate sums its gradient over tp (for column-parallel
+    readers, whose input gradients are partial); a norm reading it would be counted twice."""
+    messages = sw.testing.run_on_ranks(_gathered_read_by_a_norm, 2)
+    assert messages[0] == messages[1]
+    assert "layers.0 gathers its input over tp" in messages[0] and "but layers.0.ln1 reads it too" in messages[0]
+
+
+def _llama_collectives(layers: int, batch):
+    from test_zoo import EndToEnd
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=layers, intermediate_size=128, max_position_embeddings=64)
+    pm = sw.parallelize(EndToEnd(transformers.LlamaForCausalLM(config)),
+                        sw.ParallelConfig(tp=2, sequence_parallel=True), plan="llama")
+    pm.train_step(batch)
+    with CollectiveCounter() as counter:
+        pm.train_step(batch)
+    return dict(counter.calls), dict(counter.bytes)
+
+
+def test_hugging_face_sequence_parallel_gathers_once_per_pair():
+    """Llama's attention is gathered at its input (it reads hidden_states.shape): still one
+    all-gather and one reduce-scatter per column/row pair, and q, k, v share the gather."""
+    ids = gpt_batches(1, 4)[0]
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}  # b=4, s=16, h=64
+    activation = 4 * 16 * 64 * 4
+    (c2, b2), (c3, b3) = (sw.testing.run_on_ranks(_llama_collectives, 2, layers, batch)[0] for layers in (2, 3))
+    per_layer = {op: c3.get(op, 0) - c2.get(op, 0) for op in set(c2) | set(c3)}
+    per_layer_bytes = {op: b3.get(op, 0) - b2.get(op, 0) for op in set(b2) | set(b3)}
+    assert {op: n for op, n in per_layer.items() if n} == {"all_gather": 6, "reduce_scatter": 4}
+    assert per_layer_bytes["reduce_scatter"] == 4 * activation
+    assert per_layer_bytes["all_gather"] == 6 * activation // 2

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardwise as sw
 from shardwise.batch import split_batch
+from shardwise.plan import Conversion
 
 
 def test_split_nested_batch():
@@ -26,10 +27,12 @@ def test_split_nested_batch():
 def test_plan_round_trips_through_json(tmp_path):
     plan = sw.Plan(
         params={"layers.*.attn.q_proj.weight": [Shard(0)], "re:layers\\.\\d+\\.mlp\\.fc2\\.weight": ["Shard(1)"]},
-        activations={"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": "Partial()"},
+        activations={"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": "Partial()",
+                     "layers.*.attn.input": "Shard(1) -> Replicate()"},
         stages=["layers.2"], zero=1, recompute=["layers.*"], name="demo",
     )
     assert plan.activations["layers.*.mlp.output"] == ((Partial(),),)
+    assert plan.activations["layers.*.attn.input"] == ((Conversion(Shard(1), Replicate()),),)
     again = sw.Plan.from_json(plan.to_json())
     assert again == plan
     path = tmp_path / "plan.json"
@@ -37,6 +40,7 @@ def test_plan_round_trips_through_json(tmp_path):
     assert sw.Plan.from_json(path) == plan
     text = str(plan)
     assert "layers.*.attn.q_proj.weight" in text and "Shard(0)" in text and "stages begin at: layers.2" in text
+    assert "Shard(1) -> Replicate()" in text
 
 
 def test_plan_accepts_vescale_dict_form():

@@ -1,4 +1,5 @@
-"""Zoo plans on tiny random-weight Hugging Face models, tp=2, against one process.
+"""Zoo plans on tiny random-weight Hugging Face models against one process: tp, their
+sequence-parallel variants, pipelines.
 
 Each model sits inside the user's own end2end module (`self.lm`), as users write it; the
 zoo plan finds its class wherever it is in the tree.
@@ -29,7 +30,9 @@ class EndToEnd(nn.Module):
         return self.lm(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
-def make(kind: str) -> EndToEnd:
+def make(kind: str, dropout: float = 0.0) -> EndToEnd:
+    """`dropout`: GPT-2's embedding and residual dropout (attention dropout stays 0: on head
+    shards it cannot draw one process's masks)."""
     torch.manual_seed(0)
     t = transformers
     if kind in ("llama", "qwen2", "mistral"):
@@ -41,21 +44,25 @@ def make(kind: str) -> EndToEnd:
         return EndToEnd(model_class(config_class(num_key_value_heads=2, **COMMON)))
     if kind == "gpt2":
         config = t.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=64,
-                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                              resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return EndToEnd(t.GPT2LMHeadModel(config))
     config = t.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **COMMON)
     return EndToEnd(t.BertForMaskedLM(config))
 
 
 def batches(kind: str, steps: int = 4):
-    """Corpus text; BERT masks ~30% of positions and predicts them (loss elsewhere ignored)."""
+    """Corpus text; BERT masks 5 random positions of each row's 16 and predicts them (loss
+    elsewhere ignored). The same count in every row: HF's loss is a mean over the batch's
+    unmasked labels, so replicas (or microbatches) with different counts would be averaged
+    with other weights than one process's mean over all of them, as under DDP."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for tokens in corpus_batches(steps, 4, seq=15):
         ids = tokens.clone()
         labels = ids.clone()
-        if kind == "bert":  # masked-LM: loss on ~30% of positions
-            masked = torch.rand(ids.shape, generator=gen) < 0.3
+        if kind == "bert":  # masked-LM
+            order = torch.rand(ids.shape, generator=gen).argsort(dim=1)
+            masked = torch.zeros(ids.shape, dtype=torch.bool).scatter_(1, order[:, :5], True)
             labels[~masked] = -100
             ids[masked] = 63
         out.append({"input_ids": ids, "labels": labels})
@@ -85,6 +92,23 @@ def test_pipeline_on_hugging_face_decoders(world):
     cases = [Case(f"{kind} {name}", config, functools.partial(make, kind), batches(kind),
                   plan=kind if config.get("tp", 1) > 1 else None)
              for kind in DECODERS for name, config in PIPELINE_LAYOUTS[world].items()]
+    compare_cases(world, cases)
+
+
+SEQUENCE_PARALLEL = {2: {"tp": 2, "sequence_parallel": True}, 4: {"tp": 2, "dp": 2, "sequence_parallel": True}}
+
+
+@pytest.mark.parametrize("world", sorted(SEQUENCE_PARALLEL))
+def test_sequence_parallel_variants(world):
+    """Each zoo plan's sequence-parallel variant: norms, residuals (and GPT-2's dropout, with
+    one process's masks) on sequence shards; the mask and rotary positions built for the whole
+    sequence; the attention input gathered once for q, k and v."""
+    config = SEQUENCE_PARALLEL[world]
+    cases = [Case(f"{kind} {config}", config, functools.partial(make, kind), batches(kind), plan=kind)
+             for kind in DECODERS + ["bert"]]
+    if world == 2:  # (replicas draw their own masks: one process's exist only without dp)
+        cases.append(Case(f"gpt2 dropout {config}", config, functools.partial(make, "gpt2", 0.2), batches("gpt2"),
+                          plan="gpt2"))
     compare_cases(world, cases)
 
 

@@ -26,6 +26,7 @@ already holding keys is refused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -86,15 +87,33 @@ def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: Resolve
     parallel executor, whose row-parallel matmuls (full-size partial sums) selective
     recompute does not keep."""
     paths = recompute_targets(module, config, resolved)
-    context_fn = None
+    selective = None
     if config.recompute == "selective":
-        context_fn = functools.partial(create_selective_checkpoint_contexts,
-                                       functools.partial(_selective_policy, _saved_ops(), tp))
+        selective = functools.partial(create_selective_checkpoint_contexts,
+                                      functools.partial(_selective_policy, _saved_ops(), tp))
     for path in paths:
         target = module.get_submodule(path)
         target.register_forward_pre_hook(functools.partial(_without_cache, path), with_kwargs=True)
+        context_fn = None if selective is None and tp is None else functools.partial(_contexts, path, tp, selective)
         checkpoint(target, context_fn=context_fn, preserve_rng_state=True)  # its hook runs after the one above
     return paths
+
+
+def _contexts(path: str, tp, selective) -> tuple:
+    """The forward and recomputation contexts of the module at `path`: selective recompute's
+    policy, and, while it is recomputed, its own input conversions off (the checkpoint kept
+    its inputs as they were after them)."""
+    forward, recomputation = selective() if selective is not None else (contextlib.nullcontext(),
+                                                                        contextlib.nullcontext())
+    if tp is not None:
+        recomputation = _together(recomputation, tp.replaying(path))
+    return forward, recomputation
+
+
+@contextlib.contextmanager
+def _together(first, second):
+    with first, second:
+        yield
 
 
 def _without_cache(path: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -41,7 +42,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..comm import broadcast_tensors
 from ..errors import PlanError
-from ..plan.plan import placement_str, shard_dim
+from ..plan.plan import Conversion, placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
 from ..tensors import is_sharded, local
 from ..topology import Topology
@@ -79,6 +80,9 @@ class TensorParallel:
         self.first_forward_checked = False
         self._entered: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
+        self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
+        self._flow = None  # the first forward's FeatureFlow while it runs
+        self._replaying: set[str] = set()  # recomputed modules whose inputs are already converted
         self.computing_partial = False  # inside a row-parallel matmul (its output is a partial sum)
 
     @property
@@ -96,20 +100,53 @@ class TensorParallel:
     def _checked(self, module: nn.Module) -> Iterator[None]:
         reducing = {p for p, rule in self.sharded_modules.items() if rule in ("row", "vocab_embedding")}
         row = {p for p, rule in self.sharded_modules.items() if rule == "row"}
-        with checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)):
-            yield
+        with checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)) as flow:
+            self._flow = flow
+            try:
+                yield
+            finally:
+                self._flow = None
         self.first_forward_checked = True
 
     def input_placement(self, path: str, default: Placement) -> Placement:
+        """The placement module `path` computes on (after its input conversion, if any)."""
         declared = self.resolved.inputs.get(path, ())
-        return declared[0][0] if declared and declared[0] is not None else default
+        placement = declared[0][0] if declared and declared[0] is not None else default
+        return placement.dst if isinstance(placement, Conversion) else placement
 
     def output_placement(self, path: str, default: Placement) -> Placement:
         declared = self.resolved.outputs.get(path, ())
         return declared[0][0] if declared and declared[0] is not None else default
 
+    @contextlib.contextmanager
+    def replaying(self, path: str) -> Iterator[None]:
+        """While recompute runs module `path` again on the inputs it kept: those went
+        through the module's input conversions already."""
+        self._replaying.add(path)
+        try:
+            yield
+        finally:
+            self._replaying.discard(path)
+
+    def convert_input(self, x: torch.Tensor, conversion: Conversion, path: str) -> torch.Tensor:
+        """An input conversion "A -> B" at module `path`. Shard -> Replicate gathers the
+        tensor for the module's column-parallel projections (an attention block reading the
+        full sequence): its gradient there is partial, so backward is one reduce-scatter and
+        the projections do not all-reduce again. The first forward checks that only
+        column-parallel modules read it. Any other conversion is a plain redistribution."""
+        src, dst = conversion.src, conversion.dst
+        if not (isinstance(src, Shard) and isinstance(dst, Replicate)):
+            return redistribute(x, src, dst, self.group)
+        y = self.enter(x, src)
+        self._entered_storages.add(y.untyped_storage()._cdata)
+        if self._flow is not None:
+            self._flow.mark_gathered(y, path)
+        return y
+
     def enter(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
         """`enter_parallel`, shared by every module that reads `x` in this forward."""
+        if isinstance(src, Replicate) and x.untyped_storage()._cdata in self._entered_storages:
+            return x  # gathered by an input conversion, its backward already the reduce-scatter
         key = (id(x), str(src))
         hit = self._entered.get(key)
         if hit is None or hit[0] is not x:
@@ -122,6 +159,7 @@ class TensorParallel:
     def end_forward(self) -> None:
         self._entered.clear()
         self._gathered.clear()
+        self._entered_storages.clear()
 
     def keeping_shards(self) -> contextlib.AbstractContextManager:
         """Around a column-parallel module's compute: an input all-gathered from sequence
@@ -329,7 +367,11 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
                 setattr(mod, leaf, converted[id(param)])
 
     for path, placements in resolved.inputs.items():
-        first = placements[0][0] if placements and placements[0] is not None else None
+        if any(t is not None and isinstance(t[0], Conversion) for t in placements):
+            modules[path].register_forward_pre_hook(
+                functools.partial(_convert_inputs, tp=tp, path=path, signature=inspect.signature(modules[path].forward)),
+                with_kwargs=True)
+        first = tp.input_placement(path, Replicate())
         mod = modules[path]
         if path in tp.sharded_modules or not isinstance(first, Shard):
             continue
@@ -338,7 +380,12 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
             tp.partial_grad_params.add(id(param))
         if isinstance(mod, nn.Dropout):
             mod.forward = functools.partial(_sharded_dropout, mod, tp=tp, dim=data_dim)
-    for path in resolved.outputs:
+    for path, placements in resolved.outputs.items():
+        if path in tp.sharded_modules and isinstance(placements[0] and placements[0][0], Conversion):
+            raise PlanError(
+                f"activation {path}.output: {placement_str(placements[0][0])} converts the output of tensor-parallel "
+                f"{path}, whose rule knows its own output placement; give only the target, e.g. "
+                f"{placement_str(placements[0][0].dst)!r}")
         if path not in tp.sharded_modules:
             modules[path].register_forward_hook(functools.partial(_redistribute_output, tp=tp, path=path))
 
@@ -348,17 +395,38 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
     return tp
 
 
+def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,
+                    signature: inspect.Signature) -> tuple[tuple, dict] | None:
+    """Forward pre-hook: the plan's input conversions, applied to the module's tensor
+    arguments in the order of its forward's signature (the i-th placement, the i-th tensor)."""
+    if path in tp._replaying:
+        return None
+    bound = signature.bind_partial(*args, **kwargs)
+    names = [name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)]
+    for name, target in zip(names, tp.resolved.inputs[path]):
+        if target is not None and isinstance(target[0], Conversion):
+            bound.arguments[name] = tp.convert_input(bound.arguments[name], target[0], path)
+    return bound.args, bound.kwargs
+
+
 def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorParallel, path: str) -> Any:
-    """Forward hook: move a module's output tensors to the plan's placements."""
-    src = tp.input_placement(path, Replicate())
+    """Forward hook: move a module's output tensors to the plan's placements (from what the
+    module computed on, or from the source a conversion "A -> B" names)."""
+    computed_on = tp.input_placement(path, Replicate())
+
+    def move(tensor: torch.Tensor, target: tuple | None) -> torch.Tensor:
+        if target is None:
+            return tensor
+        src, dst = (target[0].src, target[0].dst) if isinstance(target[0], Conversion) else (computed_on, target[0])
+        return redistribute(tensor, src, dst, tp.group)
+
     targets = tp.resolved.outputs[path]
     if isinstance(output, torch.Tensor):
-        return redistribute(output, src, targets[0][0], tp.group) if targets[0] is not None else output
+        return move(output, targets[0])
     if isinstance(output, tuple):
         items = list(output)
         tensors = [i for i, item in enumerate(items) if isinstance(item, torch.Tensor)]
         for index, target in zip(tensors, targets):
-            if target is not None:
-                items[index] = redistribute(items[index], src, target[0], tp.group)
+            items[index] = move(items[index], target)
         return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
     return output

@@ -18,7 +18,10 @@ Checked: a replicated module with parameters (or one without a tensor-parallel r
 layout it gets) receiving a feature-sharded tensor, and a row-parallel module receiving a
 strided one, are `PlanError`s naming both modules; an op that fails on tainted inputs (a
 shape mismatch from a half-finished plan) becomes a `PlanError` naming the column modules
-whose outputs reached it and the module it failed in. Only the first forward pays for this.
+whose outputs reached it and the module it failed in. A tensor gathered by an input
+conversion for column-parallel readers (its backward sums partial gradients over tp) read
+by anything else, other than through views, is a `PlanError` too. Only the first forward
+pays for this.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ class FeatureLayout:
 class FeatureFlow(TorchDispatchMode):
     """Follows sharded features through one forward (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, column: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.column = column
+        self.gathered: dict[int, str] = {}  # tensors an input conversion gathered for column readers -> where
         self.layout: dict[int, FeatureLayout] = {}
         self.taint: dict[int, frozenset[str]] = {}
         self._alive: list[torch.Tensor] = []  # keeps tagged tensors alive so ids stay unique
@@ -67,6 +72,30 @@ class FeatureFlow(TorchDispatchMode):
                 self._alive.append(t)
                 self.layout[id(t)] = layout
                 self.taint[id(t)] = frozenset([layout.source])
+
+    def mark_gathered(self, tensor: torch.Tensor, where: str) -> None:
+        """`tensor` was gathered by module `where`'s input conversion: its gradient is summed
+        over tp, which is right only if column-parallel modules alone read it (or its views)."""
+        self._alive.append(tensor)
+        self.gathered[id(tensor)] = where
+
+    def _check_gathered_readers(self, func, args, kwargs, out) -> None:
+        where = next((self.gathered[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.gathered), None)
+        if where is None:
+            return
+        if func.is_view:
+            for t in _tensors(out):
+                self._alive.append(t)
+                self.gathered[id(t)] = where
+        elif not (self.modules and self.modules[-1] in self.column):
+            reader = self.modules[-1] if self.modules else "the model's own code"
+            raise PlanError(
+                f"{where} gathers its input over tp ('Shard -> Replicate' in {where}.input) for column-parallel "
+                f"modules, whose input gradients are partial and summed by one reduce-scatter; but {reader} reads it "
+                f"too ({func._opname}), and its gradient would be summed tp times. Convert the input of the "
+                f"column-parallel modules themselves, or gather with '{where}.output' of the module before (its "
+                "backward then splits the gradient)"
+            )
 
     def layout_of(self, tensor: torch.Tensor) -> FeatureLayout | None:
         return self.layout.get(id(tensor))
@@ -89,6 +118,8 @@ class FeatureFlow(TorchDispatchMode):
                     "consumes their features), or gives a module the wrong placement"
                 ) from exc
             raise
+        if self.gathered:
+            self._check_gathered_readers(func, args, kwargs, out)
         if inputs:
             taint = frozenset().union(*(self.taint[id(t)] for t in inputs))
             if self.modules:
@@ -132,7 +163,7 @@ def checked_forward(module: nn.Module, column: dict[str, int], reducing: set[str
     reducing: paths whose outputs are replicated again (row-parallel, vocab-parallel);
     row: row-parallel paths; declared_inputs: modules whose input placement the plan gives.
     """
-    flow = FeatureFlow()
+    flow = FeatureFlow(frozenset(column))
     handles = []
     for path, mod in module.named_modules():
         def before(m, args, kwargs, path=path):

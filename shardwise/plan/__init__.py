@@ -7,10 +7,10 @@ from pathlib import Path
 from ..config import ParallelConfig
 from ..errors import PlanError
 from .named import zoo
-from .plan import Plan, parse_placement, placement_str, shard_dim
+from .plan import Conversion, Plan, parse_placement, placement_str, shard_dim
 from .resolve import ResolvedPlan, resolve_plan
 
-__all__ = ["Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "shard_dim", "zoo"]
+__all__ = ["Conversion", "Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "shard_dim", "zoo"]
 
 
 def as_plan(plan: "Plan | dict | str | Path | None", config: ParallelConfig) -> Plan:

@@ -1,6 +1,8 @@
 """Named plans for well-known models: `plan="gpt"`, `"llama"`, `"qwen2"`, `"mistral"`, `"gpt2"`, `"bert"`.
 
-Each entry builds a `Plan` for a ParallelConfig (the sequence-parallel variant differs).
+Each entry builds a `Plan` for a ParallelConfig (the sequence-parallel variant differs:
+norms, dropout and residuals on sequence shards, the sequence gathered where attention or
+a column-parallel MLP reads it and reduce-scattered after the row-parallel projection).
 Plans for Hugging Face classes are relative to that class (`applies_to`), so they apply
 wherever the model sits inside a user's end2end module. The layout is Megatron's: attention
 q/k/v and the first MLP projection column-parallel, the attention output and second MLP
@@ -19,6 +21,7 @@ from ..errors import PlanError
 from .plan import Plan
 
 COL, ROW, SEQ = "Shard(0)", "Shard(1)", "Shard(1)"  # Linear weight (out, in); activations (batch, seq, hidden)
+REPLICATE_TO_SEQ, SEQ_TO_REPLICATE = "Replicate() -> Shard(1)", "Shard(1) -> Replicate()"
 
 
 def _sp(keys_in: list[str], keys_out: list[str]) -> dict[str, str]:
@@ -60,12 +63,24 @@ def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool) -> Pla
     }
     if bias:  # Qwen2: q/k/v projections have biases
         params.update({f"model.layers.*.self_attn.{p}_proj.bias": COL for p in "qkv"})
+    activations = {}
     if config.sequence_parallel:
-        raise PlanError(
-            f"zoo plan {name!r} has no sequence-parallel variant (Hugging Face builds its attention mask from the "
-            "embedding output's sequence length); use sequence_parallel=False"
-        )
-    return Plan(params=params, loss_parallel=["lm_head"], applies_to=root, name=name)
+        layer = "model.layers.*"
+        activations = {
+            # the model builds its causal mask and rotary positions from the whole embedding
+            # output; the first layer cuts it into sequence shards
+            "model.layers.0.input": REPLICATE_TO_SEQ,
+            f"{layer}.input_layernorm.input": SEQ,
+            # the attention reads hidden_states.shape for its head views: gather it there
+            f"{layer}.self_attn.input": SEQ_TO_REPLICATE,
+            f"{layer}.self_attn.o_proj.output": SEQ,
+            f"{layer}.post_attention_layernorm.input": SEQ,
+            f"{layer}.mlp.gate_proj.input": SEQ, f"{layer}.mlp.up_proj.input": SEQ,
+            f"{layer}.mlp.down_proj.output": SEQ,
+            "model.norm.input": SEQ,
+            "lm_head.input": SEQ,
+        }
+    return Plan(params=params, activations=activations, loss_parallel=["lm_head"], applies_to=root, name=name)
 
 
 def llama(config: ParallelConfig) -> Plan:
@@ -85,8 +100,6 @@ def mistral(config: ParallelConfig) -> Plan:
 
 def gpt2(config: ParallelConfig) -> Plan:
     """transformers GPT2LMHeadModel (Conv1D weights are (in, out): column = Shard(1))."""
-    if config.sequence_parallel:
-        raise PlanError("zoo plan 'gpt2' has no sequence-parallel variant; use sequence_parallel=False")
     params = {
         "transformer.wte.weight": COL,  # tied with lm_head: vocab-parallel, loss-parallel head
         "transformer.h.*.attn.c_attn.weight": "StridedShard(1, 3)",  # fused q|k|v: shard each block
@@ -94,14 +107,28 @@ def gpt2(config: ParallelConfig) -> Plan:
         "transformer.h.*.mlp.c_fc.weight": "Shard(1)",
         "transformer.h.*.mlp.c_proj.weight": "Shard(0)",
     }
-    return Plan(params=params, loss_parallel=["lm_head"], divide_by_tp=["transformer.h.*.attn.split_size"],
-                applies_to="GPT2LMHeadModel", name="gpt2")
+    activations = {}
+    if config.sequence_parallel:
+        block = "transformer.h.*"
+        activations = {
+            "transformer.drop.input": REPLICATE_TO_SEQ,  # after the causal mask is built from the whole sequence
+            f"{block}.ln_1.input": SEQ,
+            f"{block}.attn.input": SEQ_TO_REPLICATE,
+            f"{block}.attn.c_proj.output": SEQ,
+            f"{block}.attn.resid_dropout.input": SEQ,
+            f"{block}.ln_2.input": SEQ,
+            f"{block}.mlp.c_fc.input": SEQ,
+            f"{block}.mlp.c_proj.output": SEQ,
+            f"{block}.mlp.dropout.input": SEQ,
+            "transformer.ln_f.input": SEQ,
+            "transformer.ln_f.output": "Replicate()",  # GPT2Model views it with the whole sequence's shape
+        }
+    return Plan(params=params, activations=activations, loss_parallel=["lm_head"],
+                divide_by_tp=["transformer.h.*.attn.split_size"], applies_to="GPT2LMHeadModel", name="gpt2")
 
 
 def bert(config: ParallelConfig) -> Plan:
     """transformers BertForMaskedLM."""
-    if config.sequence_parallel:
-        raise PlanError("zoo plan 'bert' has no sequence-parallel variant; use sequence_parallel=False")
     layer = "bert.encoder.layer.*"
     params = {
         "bert.embeddings.word_embeddings.weight": COL,  # tied with the MLM decoder
@@ -113,7 +140,24 @@ def bert(config: ParallelConfig) -> Plan:
         f"{layer}.output.dense.weight": ROW,
         "cls.predictions.decoder.bias": COL,
     }
-    return Plan(params=params, loss_parallel=["cls.predictions.decoder"], applies_to="BertForMaskedLM", name="bert")
+    activations = {}
+    if config.sequence_parallel:
+        activations = {
+            "bert.encoder.layer.0.input": REPLICATE_TO_SEQ,  # after the attention mask is built
+            f"{layer}.attention.self.input": SEQ_TO_REPLICATE,  # BertSelfOutput reads the sharded residual
+            f"{layer}.attention.output.dense.output": SEQ,
+            f"{layer}.attention.output.dropout.input": SEQ,
+            f"{layer}.attention.output.LayerNorm.input": SEQ,
+            f"{layer}.intermediate.dense.input": SEQ,
+            f"{layer}.output.dense.output": SEQ,
+            f"{layer}.output.dropout.input": SEQ,
+            f"{layer}.output.LayerNorm.input": SEQ,
+            "cls.predictions.transform.dense.input": SEQ,
+            "cls.predictions.transform.LayerNorm.input": SEQ,
+            "cls.predictions.decoder.input": SEQ,
+        }
+    return Plan(params=params, activations=activations, loss_parallel=["cls.predictions.decoder"],
+                applies_to="BertForMaskedLM", name="bert")
 
 
 class Zoo(Mapping):

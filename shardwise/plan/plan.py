@@ -56,12 +56,42 @@ def parse_placement(value: Any, where: str = "plan") -> Placement:
     return Replicate() if kind == "Replicate" else Partial()
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """An activation that arrives as `src` and is moved to `dst` before the module runs
+    (written "Shard(1) -> Replicate()"). Only for activations, never parameters."""
+
+    src: Placement
+    dst: Placement
+
+
+def parse_activation_placement(value: Any, where: str) -> Placement | Conversion:
+    """A placement, or a `Conversion` from its "A -> B" string form."""
+    if isinstance(value, Conversion):
+        return value
+    if isinstance(value, str) and "->" in value:
+        parts = value.split("->")
+        if len(parts) != 2:
+            raise PlanError(f"{where}: {value!r} has more than one '->'; write one conversion, e.g. "
+                            "'Shard(1) -> Replicate()'")
+        src, dst = (parse_placement(part, where) for part in parts)
+        if src == dst:
+            raise PlanError(f"{where}: {value!r} converts a placement to itself; write just {parts[1].strip()!r}")
+        if isinstance(dst, Partial) or isinstance(src, _StridedShard) or isinstance(dst, _StridedShard):
+            raise PlanError(f"{where}: {value!r}: activations convert between Shard(d), Replicate() and from "
+                            "Partial(); nothing converts to Partial() or a StridedShard")
+        return Conversion(src, dst)
+    return parse_placement(value, where)
+
+
 def shard_dim(placement: Placement) -> int | None:
     """The dim a Shard or StridedShard placement splits, or None for Replicate/Partial."""
     return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
 
 
-def placement_str(placement: Placement) -> str:
+def placement_str(placement: Placement | Conversion) -> str:
+    if isinstance(placement, Conversion):
+        return f"{placement_str(placement.src)} -> {placement_str(placement.dst)}"
     if isinstance(placement, _StridedShard):
         return f"StridedShard({placement.dim}, {placement.split_factor})"
     if isinstance(placement, Shard):
@@ -99,16 +129,25 @@ def _placements(value: Any, where: str) -> tuple[Placement, ...]:
     return tuple(parse_placement(v, where) for v in values)
 
 
-def _activation(value: Any, where: str) -> tuple[tuple[Placement, ...] | None, ...]:
+def _activation(value: Any, where: str) -> tuple[tuple[Placement | Conversion, ...] | None, ...]:
     """Per-tensor placements of a module's inputs or outputs; None leaves a tensor alone.
 
     Accepts veScale's nested form ([[Replicate()]]: one list per tensor) and a flat one
-    ([Replicate()] or "Replicate()": a single tensor).
+    ([Replicate()] or "Replicate()": a single tensor). A placement may be a conversion
+    "A -> B": the tensor arrives as A and is moved to B.
     """
     values = value if isinstance(value, (list, tuple)) else [value]
-    if values and all(v is None or isinstance(v, (list, tuple)) for v in values):
-        return tuple(None if v is None else _placements(v, where) for v in values)
-    return (_placements(values, where),)
+    nested = values and all(v is None or isinstance(v, (list, tuple)) for v in values)
+    per_tensor = values if nested else [values]
+    out = []
+    for v in per_tensor:
+        if v is None:
+            out.append(None)
+            continue
+        if not v:
+            raise PlanError(f"{where}: an empty placement list; write e.g. [Shard(1)]")
+        out.append(tuple(parse_activation_placement(p, where) for p in v))
+    return tuple(out)
 
 
 @dataclass
@@ -116,7 +155,8 @@ class Plan:
     """Placements by pattern, pipeline stages, ZeRO stage and recompute, as data.
 
     params: {"layers.*.attn.q_proj.weight": [Shard(0)], ...}
-    activations: {"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": [[Shard(1)]]}
+    activations: {"layers.*.mlp.input": [[Replicate()]], "layers.*.mlp.output": [[Shard(1)]],
+        "layers.*.attn.input": "Shard(1) -> Replicate()"}: where activations are, and conversions
     stages: pipeline stages, as the module paths that begin stages 1..n-1 (["layers.4"]) or as
         every stage's modules ([["wte", "layers.0"], ["layers.1", "lm_head"]]); None: balanced
         automatically. virtual_stages: stages per pipeline rank (interleaved schedules).
@@ -131,7 +171,7 @@ class Plan:
     """
 
     params: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
-    activations: dict[str, tuple[tuple[Placement, ...] | None, ...]] = field(default_factory=dict)
+    activations: dict[str, tuple[tuple[Placement | Conversion, ...] | None, ...]] = field(default_factory=dict)
     stages: list[str] | list[list[str]] | None = None
     virtual_stages: int | None = None
     zero: int | None = None
