@@ -164,13 +164,12 @@ def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program
             f"'zero-bubble' for virtual_stages={virtual}"
         )
     num_stages = config.pp * virtual
-    direct = [n for n, _ in module.named_parameters(recurse=False)]
     units, calls = units_of_program(module, program)
-    outside = [n for n, p in module.named_parameters()
+    outside = [n for n, p in module.named_parameters()  # those held by the root itself included
                if not any(n.startswith(u.path + ".") for u in units)]
-    if direct or outside:
+    if outside:
         raise ModelError(
-            f"parameters {(direct + outside)[:4]} belong to no pipeline unit; pipeline parallelism assigns "
+            f"parameters {outside[:4]} belong to no pipeline unit; pipeline parallelism assigns "
             "parameters by submodule, so keep them inside submodules of the layer list's siblings"
         )
     holds = [u.params > 0 for u in units]
