@@ -242,11 +242,12 @@ class ParallelModule(nn.Module):
 
     def _pipeline_train_step(self, batch: Any, weight: float) -> torch.Tensor:
         syncing = self.gradients.sync_enabled
-        with self.gradients.no_sync(), self._compute():  # reduced once, after the whole schedule
-            loss = self.pipeline.train_step(batch)
+        self.gradients.replica_weight = weight
+        # accumulated over the microbatches; each stage's buckets launch after its last backward
+        with self.gradients.no_sync(), self._compute():
+            loss = self.pipeline.train_step(batch, self.gradients.grads_final if syncing else None)
         if not syncing:
             return loss
-        self.gradients.replica_weight = weight
         self.gradients.stage_scalars(loss * weight)
         mean = self.gradients.finish()[0]
         self._after_sync()
@@ -615,7 +616,12 @@ def _build(module: nn.Module, topology: Topology, chosen: Plan, resolved: Resolv
     units = None
     if config.zero == 3:
         units = [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())]
-    pmodel.gradients = apply_data_parallel(module, topology, config, pmodel.tensor_parallel, pmodel._tied, units)
+    stages = None
+    if layout is not None:  # this rank's pipeline units by stage: each stage reduces its own buckets
+        mine = set(layout.stages_of_rank(topology.pp_rank))
+        stages = {path: stage for path, stage in layout.stage_of.items() if stage in mine}
+    pmodel.gradients = apply_data_parallel(module, topology, config, pmodel.tensor_parallel, pmodel._tied, units,
+                                           stages)
     if config.zero == 3:
         pmodel.param_shards = ParameterShards(module, pmodel.gradients, units)
     first_holder = {name: ranks[0] == topology.pp_rank for name, ranks in pmodel._tied.items()}

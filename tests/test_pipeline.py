@@ -82,3 +82,31 @@ def test_dropout_under_pp_draws_the_masks_of_one_process():
     cases = [Case(f"pp2 {schedule}", {"pp": 2, "microbatches": 4, "schedule": schedule}, factory, gpt_batches(4, 8),
                   reference_microbatches=4) for schedule in ("1f1b", "interleaved-1f1b")]
     compare_cases(2, cases)
+
+
+def test_interleaved_and_zero_bubble_compose_with_data_parallel_and_zero():
+    """Two stages per rank, wte and lm_head tied across pipeline ranks, each stage's buckets
+    launched as soon as its last backward is done (while the other stage still runs)."""
+    factory = functools.partial(make_gpt, 0, n_layer=4)
+    cases = [Case(f"pp2 dp2 {schedule} zero{zero}", {"pp": 2, "microbatches": 4, "schedule": schedule, "zero": zero},
+                  factory, gpt_batches(STEPS, 8), optimizer="adamw")
+             for schedule, zero in (("interleaved-1f1b", 0), ("zero-bubble", 1), ("interleaved-1f1b", 2))]
+    compare_cases(4, cases)
+
+
+def _alive_at_each_launch(schedule: str) -> list[int]:
+    batch = gpt_batches(1, 8)[0]
+    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=4, schedule=schedule), sample=batch)
+    alive = []
+    pm.gradients.pre_hooks.append(lambda grads: alive.append(sum(pm.pipeline.stats.alive.values())))
+    pm.train_step(batch)
+    return alive
+
+
+def test_stage_buckets_launch_before_the_schedule_ends():
+    """Interleaved: on each rank the later stage's gradient buckets start their reduction
+    while microbatches of the earlier stage still await backward; 1F1B (one stage per rank)
+    has nothing left to overlap with at its last backward."""
+    for alive in sw.testing.run_on_ranks(_alive_at_each_launch, 4, "interleaved-1f1b"):
+        assert len(alive) >= 2 and max(alive) > 0, alive
+        assert alive[-1] == 0, alive  # the last bucket carries the loss: launched after the schedule

@@ -150,7 +150,7 @@ class GradientBuckets:
 
     def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int,
                  replicas: ReduceGroup, zero: int = 0, reduce_dtype: torch.dtype | None = None,
-                 unit_of: dict[int, int] | None = None):
+                 apart: dict[int, tuple] | None = None):
         if not params:
             raise ShardwiseError("no trainable parameters to synchronize")
         self.params = params
@@ -167,9 +167,11 @@ class GradientBuckets:
 
         # A parameter whose group is one rank has nothing to reduce: plain autograd gradient.
         synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if r.size > 1]
-        unit_of = unit_of or {}  # ZeRO-3: a bucket never spans two units, so units gather their own
+        # a bucket never holds parameters with two labels: a ZeRO-3 unit gathers its own, a
+        # pipeline stage launches its own as soon as its last backward is done
+        apart = apart or {}
         runs = list(coalesce(synced, bucket_bytes,
-                             key=lambda pr: (dtype(pr[0]), local(pr[0]).device, pr[1], unit_of.get(id(pr[0]))),
+                             key=lambda pr: (dtype(pr[0]), local(pr[0]).device, pr[1], apart.get(id(pr[0]))),
                              nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
         tail = len(params) + SCALAR_SLOTS
         self._tail_in_bucket = (bool(runs) and zero == 0 and dtype(runs[-1][0][0]) == torch.float32
@@ -245,6 +247,22 @@ class GradientBuckets:
 
     def _finish_after_backward(self) -> None:
         self.finish()
+
+    def grads_final(self, params: list[nn.Parameter]) -> None:
+        """The gradients of `params` are final for this step though backward is running
+        without sync (a pipeline stage's last backward is done): launch, in order, every bucket
+        whose parameters are all final. The last bucket waits for `finish()`, which stages
+        the step's scalars first."""
+        for param in params:
+            if param not in self._slot or self._ready[self._index[param]]:
+                continue
+            bucket, i = self._slot[param]
+            bucket.allocate()
+            self._absorb(param, bucket, i)
+            self._ready[self._index[param]] = True
+            bucket.pending -= 1
+        while self._next < len(self.buckets) - 1 and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
 
     @property
     def pending(self) -> bool:
@@ -405,13 +423,16 @@ class GradientBuckets:
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
                         tensor_parallel: TensorParallel | None = None,
                         tied: dict[str, list[int]] | None = None,
-                        units: list[str] | None = None) -> GradientBuckets:
+                        units: list[str] | None = None,
+                        stages: dict[str, int] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
     gradients are averaged over the data-parallel (and context-parallel) ranks. Gradients
     partial over tensor-parallel ranks are summed over them in the same pass, and those of a
     parameter held by several pipeline ranks (`tied`: name -> pp ranks) over those ranks.
+    Buckets never span two of `units` (ZeRO-3) or two pipeline stages (`stages`: the module
+    paths this rank runs -> their stage).
     """
     dp_dims = ("dp", "cp")
     scale = 1.0 / topology.size(*dp_dims)
@@ -434,12 +455,18 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
     params = [p for p in module.parameters() if p.requires_grad]
     groups = [reduce_group(p) for p in params]
     bucket_bytes = int(config.bucket_mb * MiB)
-    unit_of: dict[int, int] = {}
-    for i, path in enumerate(units or []):
-        for param in module.get_submodule(path).parameters():
-            unit_of.setdefault(id(param), i)
+    def labels(paths: dict[str, int]) -> dict[int, int]:
+        label: dict[int, int] = {}
+        for path, value in paths.items():
+            for param in module.get_submodule(path).parameters():
+                label.setdefault(id(param), value)
+        return label
+
+    unit_of = labels({path: i for i, path in enumerate(units or [])})
+    stage_of = labels(stages or {})
+    apart = {id(p): (stage_of.get(id(p)), unit_of.get(id(p))) for p in params}
     buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=config.zero,
-                              reduce_dtype=config.reduce_dtype or config.param_dtype, unit_of=unit_of)
+                              reduce_dtype=config.reduce_dtype or config.param_dtype, apart=apart)
     buckets.coordinator = topology.coordinator
     state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)

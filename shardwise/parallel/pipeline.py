@@ -20,6 +20,11 @@ generator state at each of its own random steps; each stage sets that state befo
 step and the step ends with the one-process state on every rank. So dropout masks under pp
 are exactly those of one process running the same microbatches in order.
 
+Gradients. torch calls `perform_reduce_grad` on a stage right after its last backward of the
+step (interleaved and zero-bubble schedules; GPipe and 1F1B, whose rank has one stage, at the
+end of the step): `ReducingStage` then reports the stage's gradients final, and the gradient
+buckets of that stage start their reduction while the schedule goes on.
+
 Inference. `infer_step` runs the schedule forward-only over the microbatches (pipelined)
 and returns the last stage's outputs on every pipeline rank: tensors with a batch
 dimension concatenated, scalars (a mean loss) averaged over the equal microbatches.
@@ -130,6 +135,19 @@ class ScheduledStage(StageModule):
         return out
 
 
+class ReducingStage(PipelineStage):
+    """torch's PipelineStage that reports, after torch has scaled them, that the stage's
+    gradients are final for the step."""
+
+    def __init__(self, *args, pipeline: "Pipeline", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pipeline = [pipeline]
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        super().perform_reduce_grad(grad_scale_factor)
+        self._pipeline[0].stage_done(self.stage_index)
+
+
 @dataclass
 class Compiled:
     """Everything that depends on the microbatch shape: the program, its split, the stages."""
@@ -162,6 +180,8 @@ class Pipeline:
         self.units = units
         self.stats = PipelineStats()
         self.run_forward = run_forward  # wraps a forward (tensor-parallel first-forward check)
+        self._on_final: Callable[[list[nn.Parameter]], None] | None = None
+        self._holders: dict[nn.Parameter, int] = {}  # parameter -> this rank's stages yet to finish it
         self._compiled: dict[tuple, Compiled] = {}
         self._captured = {(self._signature(sample), module.training): program}
 
@@ -243,8 +263,8 @@ class Pipeline:
                 outputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensor_leaves(produced))
                 inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in received)
                 module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training)
-                stages.append(PipelineStage(module, stage, self.layout.num_stages, self.device,
-                                            input_args=inputs, output_args=outputs, group=self.group))
+                stages.append(ReducingStage(module, stage, self.layout.num_stages, self.device, input_args=inputs,
+                                            output_args=outputs, group=self.group, pipeline=self))
             cls = SCHEDULES[self.schedule_name]
             target = stages if self.layout.virtual > 1 else stages[0]
             compiled.stages[training] = stages
@@ -259,16 +279,41 @@ class Pipeline:
         if compiled.random is not None and training:
             compiled.random.plan(self.microbatches)
 
+    def stage_done(self, stage: int) -> None:
+        """`stage`'s last backward of the step is done: its parameters held by no other
+        stage of this rank still running backward have final gradients."""
+        if self._on_final is None:
+            return
+        final = []
+        for path, owner in self.layout.stage_of.items():
+            if owner != stage:
+                continue
+            for param in self.module.get_submodule(path).parameters():
+                self._holders[param] -= 1
+                if self._holders[param] == 0:
+                    final.append(param)
+        self._on_final(final)
+
     # running -----------------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> torch.Tensor:
-        """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank."""
+    def train_step(self, batch: Any, on_final: Callable[[list[nn.Parameter]], None] | None = None) -> torch.Tensor:
+        """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank.
+        `on_final` is told the parameters whose gradients are final as each stage finishes."""
         microbatch = split_batch(batch, self.microbatches)[0]
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=True)
         self._begin(compiled, training=True)
+        self._on_final = on_final
+        self._holders = {}
+        for path, stage in self.layout.stage_of.items():
+            if stage in self.stages:
+                for param in self.module.get_submodule(path).parameters():
+                    self._holders[param] = self._holders.get(param, 0) + 1
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size(batch), device=self.device)
-        schedule.step(batch=batch, target=target, losses=losses, return_outputs=False)
+        try:
+            schedule.step(batch=batch, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._on_final = None
         if compiled.random is not None:
             compiled.random.finish()
         last_owner = self.owner(self.layout.num_stages - 1)
