@@ -67,17 +67,27 @@ class CommStats:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts functional collectives (ours and DTensor's) and their input bytes while active.
+    """Counts functional collectives (ours and DTensor's) and their input bytes while active;
+    with `c10d=True` also the process-group calls (`dist.all_reduce`, FSDP2's, DDP's, sends
+    and receives).
 
     `with CollectiveCounter() as c: step()` then `c.calls["all_reduce"]`, `c.bytes[...]`.
     torch's CommDebugMode does the same but its module tracker fails on a module called
     twice in one forward (a shared dropout), so shardwise counts with this instead.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, c10d: bool = False) -> None:
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
+        self.c10d = c10d
+
+    # process-group ops: name, and which argument holds the input tensors
+    _C10D = {"allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+             "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
+             "allgather_into_tensor_coalesced_": ("all_gather", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
+             "reduce_scatter_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+             "broadcast_": ("broadcast", 0), "alltoall_base_": ("all_to_all", 1), "send": ("send", 0)}
 
     _NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
               "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast",
@@ -86,9 +96,16 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor turn the op into collectives, which come back here
-        name = self._NAMES.get(func._opname) if func.namespace in ("_c10d_functional", "c10d_functional") else None
+        name, slot = None, 0
+        if func.namespace in ("_c10d_functional", "c10d_functional"):
+            name = self._NAMES.get(func._opname)
+        elif self.c10d and func.namespace == "c10d":
+            name, slot = self._C10D.get(func._opname, (None, 0))
         if name is not None:
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            tensors = args[slot]
+            while isinstance(tensors, (list, tuple)) and tensors and isinstance(tensors[0], (list, tuple)):
+                tensors = [t for inner in tensors for t in inner]
+            tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
             self.calls[name] += 1
             self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
         return func(*args, **(kwargs or {}))

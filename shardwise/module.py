@@ -39,7 +39,7 @@ from .parallel.fsdp import ParameterShards
 from .parallel.zero import MasterWeights
 from .parallel.tensor import TensorParallel, apply_tensor_parallel, tensor_parallel_rules
 from .tensors import is_sharded, local, shard_of
-from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.pipeline import GradientSync, Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.stage_program import capture_module, split
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
@@ -243,9 +243,10 @@ class ParallelModule(nn.Module):
     def _pipeline_train_step(self, batch: Any, weight: float) -> torch.Tensor:
         syncing = self.gradients.sync_enabled
         self.gradients.replica_weight = weight
-        # accumulated over the microbatches; each stage's buckets launch after its last backward
+        # accumulated over the microbatches; each stage's last backward reduces as it goes
         with self.gradients.no_sync(), self._compute():
-            loss = self.pipeline.train_step(batch, self.gradients.grads_final if syncing else None)
+            sync = GradientSync(self.gradients.final_backward, self.gradients.grads_final) if syncing else None
+            loss = self.pipeline.train_step(batch, sync)
         if not syncing:
             return loss
         self.gradients.stage_scalars(loss * weight)

@@ -94,19 +94,28 @@ def test_interleaved_and_zero_bubble_compose_with_data_parallel_and_zero():
     compare_cases(4, cases)
 
 
-def _alive_at_each_launch(schedule: str) -> list[int]:
+def _launches(schedule: str) -> list[tuple[int, bool]]:
+    """(microbatches awaiting backward on this rank, inside a backward?) at each bucket launch."""
     batch = gpt_batches(1, 8)[0]
-    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=4, schedule=schedule), sample=batch)
-    alive = []
-    pm.gradients.pre_hooks.append(lambda grads: alive.append(sum(pm.pipeline.stats.alive.values())))
+    config = sw.ParallelConfig(pp=2, microbatches=4, schedule=schedule, bucket_mb=0.01)  # several buckets per stage
+    pm = sw.parallelize(make_gpt(0, n_layer=4), config, sample=batch)
+    launches = []
+    pm.gradients.pre_hooks.append(lambda grads: launches.append(
+        (sum(pm.pipeline.stats.alive.values()), torch._C._current_graph_task_id() != -1)))
     pm.train_step(batch)
-    return alive
+    return launches
 
 
-def test_stage_buckets_launch_before_the_schedule_ends():
-    """Interleaved: on each rank the later stage's gradient buckets start their reduction
-    while microbatches of the earlier stage still await backward; 1F1B (one stage per rank)
-    has nothing left to overlap with at its last backward."""
-    for alive in sw.testing.run_on_ranks(_alive_at_each_launch, 4, "interleaved-1f1b"):
-        assert len(alive) >= 2 and max(alive) > 0, alive
-        assert alive[-1] == 0, alive  # the last bucket carries the loss: launched after the schedule
+def _both_schedules() -> dict[str, list]:
+    return {schedule: _launches(schedule) for schedule in ("interleaved-1f1b", "1f1b")}
+
+
+def test_stage_buckets_launch_during_the_last_backward():
+    """A stage's last backward reduces buckets as they fill (as DDP's last microbatch does);
+    interleaved: the later stage's buckets start while microbatches of the earlier stage
+    still await backward. The last bucket carries the loss: launched after the schedule."""
+    for launches in sw.testing.run_on_ranks(_both_schedules, 4):
+        for schedule, seen in launches.items():
+            assert len(seen) >= 3 and sum(inside for _, inside in seen) >= 2, (schedule, seen)
+            assert seen[-1] == (0, False), (schedule, seen)
+        assert max(alive for alive, _ in launches["interleaved-1f1b"]) > 0, launches

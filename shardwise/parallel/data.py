@@ -199,6 +199,7 @@ class GradientBuckets:
         self._next = 0  # first bucket not yet launched
         self._dirty = False  # gradients accumulated since the last sync
         self._callback_queued = False
+        self._hold_last = False  # the last bucket waits for finish() (pipeline schedules)
         self._scalars: torch.Tensor | None = None
         # this replica's share relative to an equal one (n_replica * replicas / n_total): 1.0
         # unless train_step's replicas hold different numbers of samples
@@ -242,7 +243,13 @@ class GradientBuckets:
         if self.auto_finish and not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_after_backward)
             self._callback_queued = True
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+        self._launch_full()
+
+    def _launch_full(self) -> None:
+        """Launch, in order, the buckets whose gradients are all final (inside a pipeline
+        schedule, all but the last: it carries the loss, known when the schedule ends)."""
+        end = len(self.buckets) - (1 if self._hold_last else 0)
+        while self._next < end and self.buckets[self._next].pending == 0:
             self._launch(self.buckets[self._next])
 
     def _finish_after_backward(self) -> None:
@@ -250,9 +257,9 @@ class GradientBuckets:
 
     def grads_final(self, params: list[nn.Parameter]) -> None:
         """The gradients of `params` are final for this step though backward is running
-        without sync (a pipeline stage's last backward is done): launch, in order, every bucket
-        whose parameters are all final. The last bucket waits for `finish()`, which stages
-        the step's scalars first."""
+        without sync (a pipeline stage's last backward is done, some may have had no
+        gradient): launch, in order, every bucket whose parameters are all final. The last
+        bucket waits for `finish()`, which stages the step's scalars first."""
         for param in params:
             if param not in self._slot or self._ready[self._index[param]]:
                 continue
@@ -261,8 +268,20 @@ class GradientBuckets:
             self._absorb(param, bucket, i)
             self._ready[self._index[param]] = True
             bucket.pending -= 1
-        while self._next < len(self.buckets) - 1 and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+        self._hold_last = True
+        self._launch_full()
+
+    @contextlib.contextmanager
+    def final_backward(self) -> Iterator[None]:
+        """Inside a step that accumulates without sync (a pipeline schedule): the backward
+        in this block is the last to produce the gradients it produces, so each bucket launches
+        as soon as it is full, as in a synchronized backward; `finish()` completes the step."""
+        saved = self.sync_enabled, self.auto_finish
+        self.sync_enabled, self.auto_finish, self._hold_last = True, False, True
+        try:
+            yield
+        finally:
+            self.sync_enabled, self.auto_finish = saved
 
     @property
     def pending(self) -> bool:

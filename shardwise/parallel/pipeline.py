@@ -20,10 +20,13 @@ generator state at each of its own random steps; each stage sets that state befo
 step and the step ends with the one-process state on every rank. So dropout masks under pp
 are exactly those of one process running the same microbatches in order.
 
-Gradients. torch calls `perform_reduce_grad` on a stage right after its last backward of the
-step (interleaved and zero-bubble schedules; GPipe and 1F1B, whose rank has one stage, at the
-end of the step): `ReducingStage` then reports the stage's gradients final, and the gradient
-buckets of that stage start their reduction while the schedule goes on.
+Gradients. Microbatch gradients accumulate in the gradient buckets; a stage's last backward
+of the step (torch passes `last_backward`) runs as a synchronized backward, each bucket
+launching its reduction as soon as it is full, overlapping the rest of that backward and of
+the schedule, as DDP does in its last microbatch. Then torch's `perform_reduce_grad` marks the
+stage done, which settles parameters that had no gradient. The loss is divided by the
+microbatch count before backward (torch's own scaling of `.grad` after the last backward would
+race with reductions already under way).
 
 Inference. `infer_step` runs the schedule forward-only over the microbatches (pipelined)
 and returns the last stage's outputs on every pipeline rank: tensors with a batch
@@ -32,6 +35,7 @@ dimension concatenated, scalars (a mean loss) averaged over the equal microbatch
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -52,6 +56,16 @@ from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, 
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+@dataclass
+class GradientSync:
+    """How the pipeline tells the gradient reduction where it is: `last_backward()` wraps a
+    stage's last backward of the step, `final(params)` reports parameters whose gradients are
+    final (the stage is done)."""
+
+    last_backward: Callable[[], contextlib.AbstractContextManager]
+    final: Callable[[list[nn.Parameter]], None]
 
 
 @dataclass
@@ -78,9 +92,12 @@ class RandomSchedule:
         for part in parts:
             for index in part.steps:
                 at.setdefault(index, part.stage)
-        self.order = [(index, at[index]) for index in range(len(program.steps)) if program.steps[index].random
-                      and index in at]
-        self.recipes = {index: program.steps[index].random for index, _ in self.order}
+        self.recipes = {}
+        for index in sorted(at):
+            drawing = [recipe for recipe in program.steps[index].random if self._draws(recipe)]
+            if drawing:
+                self.recipes[index] = drawing
+        self.order = [(index, at[index]) for index in self.recipes]
         self.mine = set(mine)
         self.states: dict[tuple[int, int], tuple] = {}
         self.final: tuple | None = None
@@ -88,6 +105,16 @@ class RandomSchedule:
     @property
     def active(self) -> bool:
         return bool(self.order)
+
+    def _draws(self, recipe) -> bool:
+        """Whether the op advances the generator: ops that may draw (dropout, attention with a
+        dropout argument) draw nothing at p = 0, and replaying those would cost a whole
+        attention per layer and microbatch on every rank."""
+        before = rng_state(self.device)
+        draw([recipe], self.device)
+        after = rng_state(self.device)
+        set_rng_state(before, self.device)
+        return not all(a is None and b is None or torch.equal(a, b) for a, b in zip(before, after))
 
     def plan(self, microbatches: int) -> None:
         """Replay every stage's random ops for every microbatch from the current state."""
@@ -136,12 +163,22 @@ class ScheduledStage(StageModule):
 
 
 class ReducingStage(PipelineStage):
-    """torch's PipelineStage that reports, after torch has scaled them, that the stage's
-    gradients are final for the step."""
+    """torch's PipelineStage whose last backward of the step reduces gradient buckets as they
+    fill, and which reports afterwards (`perform_reduce_grad`) that the stage is done."""
 
     def __init__(self, *args, pipeline: "Pipeline", **kwargs):
         super().__init__(*args, **kwargs)
         self._pipeline = [pipeline]
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        with self._pipeline[0].backward_of(self.stage_index, last=last_backward and full_backward):
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        with self._pipeline[0].backward_of(self.stage_index, last=last_backward):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)
@@ -180,8 +217,9 @@ class Pipeline:
         self.units = units
         self.stats = PipelineStats()
         self.run_forward = run_forward  # wraps a forward (tensor-parallel first-forward check)
-        self._on_final: Callable[[list[nn.Parameter]], None] | None = None
+        self._sync: GradientSync | None = None
         self._holders: dict[nn.Parameter, int] = {}  # parameter -> this rank's stages yet to finish it
+        self._losses: list[torch.Tensor] = []  # the last stage's microbatch losses this step
         self._compiled: dict[tuple, Compiled] = {}
         self._captured = {(self._signature(sample), module.training): program}
 
@@ -268,10 +306,15 @@ class Pipeline:
             cls = SCHEDULES[self.schedule_name]
             target = stages if self.layout.virtual > 1 else stages[0]
             compiled.stages[training] = stages
-            compiled.schedules[training] = cls(target, self.microbatches,
-                                               loss_fn=lambda output, target: output) if training else \
-                cls(target, self.microbatches)
+            compiled.schedules[training] = cls(target, self.microbatches, loss_fn=self._microbatch_loss,
+                                               scale_grads=False) if training else cls(target, self.microbatches)
         return compiled.schedules[training]
+
+    def _microbatch_loss(self, loss: torch.Tensor, target: Any) -> torch.Tensor:
+        """The last stage's loss, noted, and divided by the microbatch count for backward:
+        gradients accumulate to the mean over microbatches."""
+        self._losses.append(loss.detach())
+        return loss / self.microbatches
 
     def _begin(self, compiled: Compiled, training: bool) -> None:
         for stage in compiled.stages[training]:
@@ -282,7 +325,7 @@ class Pipeline:
     def stage_done(self, stage: int) -> None:
         """`stage`'s last backward of the step is done: its parameters held by no other
         stage of this rank still running backward have final gradients."""
-        if self._on_final is None:
+        if self._sync is None:
             return
         final = []
         for path, owner in self.layout.stage_of.items():
@@ -292,33 +335,38 @@ class Pipeline:
                 self._holders[param] -= 1
                 if self._holders[param] == 0:
                     final.append(param)
-        self._on_final(final)
+        self._sync.final(final)
+
+    def backward_of(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one backward of `stage`: its last synchronizes as it goes."""
+        return self._sync.last_backward() if last and self._sync is not None else contextlib.nullcontext()
 
     # running -----------------------------------------------------------------------------------
-    def train_step(self, batch: Any, on_final: Callable[[list[nn.Parameter]], None] | None = None) -> torch.Tensor:
+    def train_step(self, batch: Any, sync: GradientSync | None = None) -> torch.Tensor:
         """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank.
-        `on_final` is told the parameters whose gradients are final as each stage finishes."""
+        With `sync`, each stage's gradients are reduced from its last backward on."""
         microbatch = split_batch(batch, self.microbatches)[0]
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=True)
         self._begin(compiled, training=True)
-        self._on_final = on_final
+        self._sync = sync
         self._holders = {}
         for path, stage in self.layout.stage_of.items():
             if stage in self.stages:
                 for param in self.module.get_submodule(path).parameters():
                     self._holders[param] = self._holders.get(param, 0) + 1
-        losses: list[torch.Tensor] = []
+        self._losses = []
         target = torch.zeros(batch_size(batch), device=self.device)
         try:
-            schedule.step(batch=batch, target=target, losses=losses, return_outputs=False)
+            schedule.step(batch=batch, target=target, return_outputs=False)
         finally:
-            self._on_final = None
+            self._sync = None
         if compiled.random is not None:
             compiled.random.finish()
         last_owner = self.owner(self.layout.num_stages - 1)
-        mean = torch.stack([l.detach().float() for l in losses]).mean().reshape(1) if losses else \
+        mean = torch.stack([l.float() for l in self._losses]).mean().reshape(1) if self._losses else \
             torch.zeros(1, device=self.device)
+        self._losses = []
         dist.broadcast(mean, src=last_owner, group=self.group)
         return mean[0]
 
