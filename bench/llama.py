@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.masking_utils import create_causal_mask
 
 import shardwise as sw
-from common import timed_rounds
+from common import timed_rounds, training_step
 from shardwise.comm import CollectiveCounter
 
 VOCAB = 1024
@@ -177,7 +177,7 @@ def counted(step, batch) -> dict[str, int]:
 
 
 def _bench(args, layout: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     gen = torch.Generator().manual_seed(100)
     batches = [torch.randint(0, VOCAB, (2 * args.batch, args.seq), generator=gen) for _ in range(args.steps)]
     result = {}
@@ -213,15 +213,8 @@ def _bench(args, layout: str):
     ours_opt = sw.build_optimizer(ours, torch.optim.AdamW, lr=1e-4)
     native_opt = torch.optim.AdamW(native.parameters(), lr=1e-4)
 
-    def step(run, optimizer):
-        def go(batch):
-            run(batch)
-            optimizer.step()
-            optimizer.zero_grad()
-        return go
-
-    steps = {"shardwise": step(lambda b: ours.train_step({"input_ids": b}), ours_opt),
-             "torch native": step(native_step, native_opt)}
+    steps = {"shardwise": training_step(lambda b: ours.train_step({"input_ids": b}), ours_opt),
+             "torch native": training_step(native_step, native_opt)}
     result["times"] = timed_rounds(steps, mine, args.rounds)
     result["bytes"] = {name: counted(go, mine[0]) for name, go in steps.items()}
     microbatch = args.batch // (args.microbatches if layout.startswith("pp") else 1)
@@ -270,9 +263,8 @@ def _report(args, layout: str, results: list[dict]) -> None:
         minimum = (f"all-gather / reduce-scatter {megatron[0] / mib:.0f} / {megatron[1] / mib:.0f} MiB with inputs "
                    f"saved as shards (Megatron), {kept[0] / mib:.0f} / {kept[1] / mib:.0f} MiB keeping them gathered")
     else:
-        act = 2 * sbh  # the boundary activation forward, its gradient backward
-        minimum = (f"sends {act / mib:.1f} MiB (b*s*h forward + backward) + gradient all-reduce "
-                   f"{psi * 4 // 2 / mib:.1f} MiB (this stage's half)")
+        minimum = (f"sends {sbh / mib:.1f} MiB (b*s*h: the activation from stage 0, its gradient from stage 1) "
+                   f"+ gradient all-reduce {psi * 4 // 2 / mib:.1f} MiB (this stage's half of the parameters)")
     print(f"  bytes per step per rank by operation (MiB), minimum {minimum}:")
     for r in results:
         for name, nbytes in r["bytes"].items():

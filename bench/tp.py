@@ -33,7 +33,7 @@ def _pairs_plan() -> sw.Plan:
     }, name="column/row pairs")
 
 
-def _native(args) -> GPT:
+def _native(args) -> torch.nn.Module:
     model = bench_gpt(args)
     plan = {}
     for i in range(args.layers):

@@ -169,7 +169,7 @@ def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, mi
         model = _demo_model(_demo_data(settings)[0], seed + 2)
         model.load_state_dict(load_file(str(merged)), strict=True)  # the plain module, from one file
         merged_state = model.state_dict()
-    click.echo(f"merged the last checkpoint into one file and loaded it into a plain GPT (strict=True)")
+    click.echo("merged the last checkpoint into one file and loaded it into a plain GPT (strict=True)")
     single_losses, single_state = _single_process(settings)
 
     losses = result["losses"]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from parity import ADAMW, EPS_GRAD, gpt_batches, make_gpt, replica_slice
+from parity import ADAMW, gpt_batches, make_gpt, replica_slice
 from safetensors.torch import load_file
 
 BATCHES = gpt_batches(5, 8)

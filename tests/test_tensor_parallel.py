@@ -242,15 +242,20 @@ def test_sharding_a_module_without_a_rule():
         sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.ln1.weight": "Shard(0)"}})
 
 
-def _undeclared_sequence_shards():
-    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2, sequence_parallel=True))
-    del plan.activations["layers.*.ln2.input"]  # ln2 runs on sequence shards, but the plan no longer says so
+def _plan_error_of_a_step(plan: sw.Plan) -> str:
+    """The PlanError one GPT training step raises at tp=2 under `plan`, or "no error"."""
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan=plan)
     try:
         pm.train_step(gpt_batches(1, 2)[0])
     except sw.PlanError as exc:
         return str(exc)
     return "no error"
+
+
+def _undeclared_sequence_shards():
+    plan = sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2, sequence_parallel=True))
+    del plan.activations["layers.*.ln2.input"]  # ln2 runs on sequence shards, but the plan no longer says so
+    return _plan_error_of_a_step(plan)
 
 
 def test_replicated_params_on_undeclared_shards_are_caught_on_every_rank():
@@ -262,12 +267,7 @@ def test_replicated_params_on_undeclared_shards_are_caught_on_every_rank():
 def _gathered_read_by_a_norm():
     plan = sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2, sequence_parallel=True))
     plan = plan.replace(activations={**plan.activations, "layers.*.input": "Shard(1) -> Replicate()"})  # ln1 reads it
-    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan=plan)
-    try:
-        pm.train_step(gpt_batches(1, 2)[0])
-    except sw.PlanError as exc:
-        return str(exc)
-    return "no error"
+    return _plan_error_of_a_step(plan)
 
 
 def test_a_gathered_input_read_by_a_replicated_module_is_refused():

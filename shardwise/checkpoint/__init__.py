@@ -24,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import CheckpointError
 from ..tensors import local
-from ..topology import MESH_DIMS
 from .geometry import flat_rects, local_to_global, rect_shape, shift
 from .store import FORMAT, RankWriter, Reader, latest, publish
 
