@@ -68,8 +68,8 @@ class CommStats:
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts functional collectives (ours and DTensor's) and their input bytes while active;
-    with `c10d=True` also the process-group calls (`dist.all_reduce`, FSDP2's, DDP's, sends
-    and receives).
+    with `c10d=True` also the process-group calls (`dist.all_reduce`, FSDP2's, DDP's, and
+    point-to-point sends; receives, their mirror, are not counted).
 
     `with CollectiveCounter() as c: step()` then `c.calls["all_reduce"]`, `c.bytes[...]`.
     torch's CommDebugMode does the same but its module tracker fails on a module called

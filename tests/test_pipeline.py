@@ -119,3 +119,26 @@ def test_stage_buckets_launch_during_the_last_backward():
             assert len(seen) >= 3 and sum(inside for _, inside in seen) >= 2, (schedule, seen)
             assert seen[-1] == (0, False), (schedule, seen)
         assert max(alive for alive, _ in launches["interleaved-1f1b"]) > 0, launches
+
+
+class SharedBlocks(torch.nn.Module):
+    """Four blocks, the first and third sharing one weight (ALBERT-style sharing): under
+    interleaved pp=2 both land on rank 0, in stages 0 and 2."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.blocks[2].weight = self.blocks[0].weight
+
+    def forward(self, batch):
+        x = batch
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.pow(2).mean()
+
+
+def test_a_parameter_shared_by_two_stages_of_one_rank_is_reduced_once_both_are_done():
+    batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+    run_and_compare(4, {"pp": 2, "microbatches": 4, "schedule": "interleaved-1f1b"}, SharedBlocks, batches,
+                    optimizer="adamw")

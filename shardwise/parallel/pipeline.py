@@ -36,6 +36,7 @@ dimension concatenated, scalars (a mean loss) averaged over the equal microbatch
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -218,7 +219,8 @@ class Pipeline:
         self.stats = PipelineStats()
         self.run_forward = run_forward  # wraps a forward (tensor-parallel first-forward check)
         self._sync: GradientSync | None = None
-        self._holders: dict[nn.Parameter, int] = {}  # parameter -> this rank's stages yet to finish it
+        self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
+        self._stage_params: dict[int, list[nn.Parameter]] | None = None
         self._losses: list[torch.Tensor] = []  # the last stage's microbatch losses this step
         self._compiled: dict[tuple, Compiled] = {}
         self._captured = {(self._signature(sample), module.training): program}
@@ -322,24 +324,34 @@ class Pipeline:
         if compiled.random is not None and training:
             compiled.random.plan(self.microbatches)
 
+    def _params_by_stage(self) -> dict[int, list[nn.Parameter]]:
+        """This rank's stages -> their parameters (read at the first step: after parallelize)."""
+        if self._stage_params is None:
+            self._stage_params = {
+                stage: list(dict.fromkeys(p for path, owner in self.layout.stage_of.items() if owner == stage
+                                          for p in self.module.get_submodule(path).parameters()))
+                for stage in self.stages}
+        return self._stage_params
+
     def stage_done(self, stage: int) -> None:
         """`stage`'s last backward of the step is done: its parameters held by no other
         stage of this rank still running backward have final gradients."""
         if self._sync is None:
             return
         final = []
-        for path, owner in self.layout.stage_of.items():
-            if owner != stage:
-                continue
-            for param in self.module.get_submodule(path).parameters():
-                self._holders[param] -= 1
-                if self._holders[param] == 0:
-                    final.append(param)
+        for param in self._params_by_stage()[stage]:
+            self._holders[param] -= 1
+            if self._holders[param] == 0:
+                final.append(param)
         self._sync.final(final)
 
     def backward_of(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
-        """The context of one backward of `stage`: its last synchronizes as it goes."""
-        return self._sync.last_backward() if last and self._sync is not None else contextlib.nullcontext()
+        """The context of one backward of `stage`: its last synchronizes as it goes, unless
+        another stage of this rank shares a parameter with it and has backward still to run
+        (then that parameter's bucket waits for `stage_done` of its last holder)."""
+        if not last or self._sync is None or any(self._holders[p] > 1 for p in self._params_by_stage()[stage]):
+            return contextlib.nullcontext()
+        return self._sync.last_backward()
 
     # running -----------------------------------------------------------------------------------
     def train_step(self, batch: Any, sync: GradientSync | None = None) -> torch.Tensor:
@@ -350,11 +362,7 @@ class Pipeline:
         schedule = self._schedule(compiled, training=True)
         self._begin(compiled, training=True)
         self._sync = sync
-        self._holders = {}
-        for path, stage in self.layout.stage_of.items():
-            if stage in self.stages:
-                for param in self.module.get_submodule(path).parameters():
-                    self._holders[param] = self._holders.get(param, 0) + 1
+        self._holders = Counter(p for params in self._params_by_stage().values() for p in params)
         self._losses = []
         target = torch.zeros(batch_size(batch), device=self.device)
         try:
