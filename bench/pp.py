@@ -26,7 +26,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.parallel.pipeline import PipelineStats
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+SCHEDULES = list(sw.config.SCHEDULES)
 
 
 class _Sleep(torch.autograd.Function):

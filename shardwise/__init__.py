@@ -15,7 +15,8 @@ from .errors import (
     RankFailedError,
     ShardwiseError,
 )
-from .module import DataParallelInfo, ParallelModule, data_parallel_info, parallelize
+from .build import parallelize
+from .module import DataParallelInfo, ParallelModule, data_parallel_info
 from .optim import build_optimizer
 from .plan import Plan
 from .topology import Topology, init_distributed

@@ -93,12 +93,12 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
     """Bytes one microbatch of `batch` keeps for backward on this rank (see the module
     docstring). Collective, like train_step: every rank calls it with its own batch."""
     parts = pmodel.config.microbatches
-    batch, microbatches, _ = pmodel._agree_on_batch("activation_memory", batch, parts, check=True)
+    batch, microbatches, _ = pmodel.agree_on_batch("activation_memory", batch, parts, check=True)
     module = pmodel.module
     units = candidate_units(module)
     blocks = layer_list(module)
     params, grads = pmodel.held_tensors()
-    gathered = [getattr(b, "param_buffer", None) for b in pmodel.gradients.buckets]  # ZeRO-3's whole buffers
+    gathered = [b.param_buffer for b in pmodel.gradients.buckets]  # ZeRO-3's whole buffers
     existing = {s._cdata for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)]
                 if t is not None and (s := _storage(t)) is not None}
     creations = _Creations(existing)
@@ -117,8 +117,8 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
         handles.append(unit.register_forward_pre_hook(lambda m, a, path=path: enter(path)))
         handles.append(unit.register_forward_hook(lambda m, a, o: leave()))
     try:
-        with pmodel._in_step("activation_memory"), without_trace(module, pmodel.topology.device), \
-                torch.enable_grad(), pmodel._compute():
+        with pmodel.in_step("activation_memory"), without_trace(module, pmodel.topology.device), \
+                torch.enable_grad(), pmodel.loss_parallel():
             kept = _forward(pmodel, microbatches[0], creations)
             gc.collect()
             by_unit = creations.alive()
@@ -137,7 +137,7 @@ def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tenso
     pipeline = pmodel.pipeline
     if pipeline is None:
         with creations:
-            return [loss_of(pmodel._run(microbatch))]
+            return [loss_of(pmodel.run_module(microbatch))]
     from .parallel.stage_program import StageModule
 
     compiled = pipeline.compiled(microbatch)
@@ -147,7 +147,7 @@ def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tenso
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in received]
         last = stage == pipeline.layout.num_stages - 1
         part = StageModule(pmodel.module, compiled.program, compiled.parts[stage], last, pipeline.device)
-        with creations:
-            out = pmodel._forward_pass(lambda: part(*inputs, batch=microbatch))
+        with creations, pipeline.forward_context():
+            out = part(*inputs, batch=microbatch)
         kept += [loss_of(out)] if last else tensor_leaves(out)
     return kept

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from .checkpoint import merge_checkpoint
-from .config import ParallelConfig
+from .config import SCHEDULES, ParallelConfig
 from .errors import ShardwiseError
 
 
@@ -139,7 +139,7 @@ def main() -> None:
 @click.option("--pp", default=1, show_default=True, type=POSITIVE,
               help="Pipeline-parallel degree; dp = ranks / (tp * pp).")
 @click.option("--schedule", default="1f1b", show_default=True,
-              type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]), help="Pipeline schedule.")
+              type=click.Choice(list(SCHEDULES)), help="Pipeline schedule.")
 @click.option("--steps", default=40, show_default=True, type=POSITIVE, help="Optimizer steps.")
 @click.option("--batch", default=16, show_default=True, type=POSITIVE, help="Global batch size (split across replicas).")
 @click.option("--microbatches", default=2, show_default=True, type=POSITIVE, help="Microbatches per replica per step.")

@@ -20,10 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import CommunicationError
 
 
-# torch 2.13 renamed these (*_tensor -> *_single); take whichever this torch has.
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def describe_group(group: dist.ProcessGroup) -> str:
     return f"ranks {dist.get_process_group_ranks(group)}"
@@ -61,9 +57,6 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
 
 
 class CollectiveCounter(TorchDispatchMode):

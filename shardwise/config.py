@@ -13,10 +13,27 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
 from .errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule by name: torch's class that orders it, and whether each rank runs
+    several (virtual) stages."""
+
+    name: str
+    torch_class: type
+    interleaved: bool
+
+
+# The one list of schedules: config validation, stage layout, the pipeline and the CLI read it.
+SCHEDULES = {s.name: s for s in (PipelineSchedule("gpipe", ScheduleGPipe, False),
+                                 PipelineSchedule("1f1b", Schedule1F1B, False),
+                                 PipelineSchedule("interleaved-1f1b", ScheduleInterleaved1F1B, True),
+                                 PipelineSchedule("zero-bubble", ScheduleInterleavedZeroBubble, True))}
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = (None, "full", "selective")
 # Compute dtypes with float32 master weights, and dtypes gradients are reduced in.

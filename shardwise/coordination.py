@@ -42,9 +42,6 @@ import torch.distributed as dist
 from . import errors
 from .errors import CommunicationError, ShardwiseError
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
               "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
               "scale_grads", "finish_gradient_sync", "agree")
@@ -121,7 +118,7 @@ class PendingAgreement:
     def result(self) -> Agreement:
         """Wait for every rank's record and decide (raising the agreed error, if any)."""
         if self.settled is None:
-            self.settled = self.coordinator._settle(self)
+            self.settled = self.coordinator.settle(self)
         return self.settled
 
 
@@ -258,10 +255,11 @@ class Coordinator:
         table, work = record.view(1, -1), None
         if self.size > 1:
             table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
-            work = all_gather_single(table, record, group=self.group, async_op=True)
+            work = dist.all_gather_single(table, record, group=self.group, async_op=True)
         return PendingAgreement(self, op, problem, fingerprints, table, work)
 
-    def _settle(self, pending: "PendingAgreement") -> Agreement:
+    def settle(self, pending: "PendingAgreement") -> Agreement:
+        """Wait for a pending agreement's records and decide (`PendingAgreement.result`)."""
         op = pending.op
         table = pending.table
         if pending.work is not None:

@@ -90,7 +90,7 @@ class DeferredInit:
     ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]]
     peak_bytes: int = 0  # largest total of real tensors alive during replay
     materialized_bytes: int = 0  # parameter and buffer bytes kept by this rank
-    _done: bool = field(default=False, repr=False)
+    done: bool = field(default=False, repr=False)  # replayed (materialized) already
 
     def replay(self, finals: dict[tuple, list[str]], cut: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the record on CPU; return `cut(name, full)` for every name in `finals`.
@@ -225,7 +225,7 @@ def check_materializable(module: nn.Module) -> None:
                 f"{meta[0]!r} has no data (meta or fake tensor) and the module was not built with sw.deferred_init; "
                 "build it with sw.deferred_init(factory) so parallelize can materialize it"
             )
-    elif record._done:
+    elif record.done:
         raise ModelError("this deferred module was already materialized by an earlier parallelize call; "
                          "build a new one with sw.deferred_init for each parallelize")
 
@@ -262,5 +262,5 @@ def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placem
         for leaf, buffer in list(mod._buffers.items()):
             if buffer is not None and is_deferred(buffer):
                 mod._buffers[leaf] = values[prefix + leaf]
-    record._done = True
+    record.done = True
     return lambda name, placement: values[name]

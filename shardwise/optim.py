@@ -20,7 +20,7 @@ from .module import ParallelModule
 class ParallelOptimizer:
     """Mixed in before the user's optimizer class; `_pmodel` is the module it updates.
 
-    The optimizer's tensors are `pmodel.masters` pieces: the parameters themselves, this
+    The optimizer's tensors are `pmodel.optimizer_params` pieces: the parameters themselves, this
     rank's shard of them (ZeRO), or float32 master copies (mixed precision).
     """
 
@@ -33,15 +33,15 @@ class ParallelOptimizer:
             if pending:
                 ready()
                 pmodel.gradients.finish()
-                pmodel._after_sync()
-            pmodel.masters.load_grads()
+                pmodel.after_sync()
+            pmodel.optimizer_params.load_grads()
             result = super().step(closure)  # type: ignore[misc]
-            pmodel.masters.write_back(before_collectives=ready)
+            pmodel.optimizer_params.write_back(before_collectives=ready)
             return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pmodel.zero_grad(set_to_none)
-        self._pmodel.masters.zero_grad()
+        self._pmodel.optimizer_params.zero_grad()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm.
@@ -54,17 +54,17 @@ class ParallelOptimizer:
             if pmodel.gradients.pending:
                 ready()
                 pmodel.gradients.finish()
-                pmodel._after_sync()
-            total = pmodel.masters.gradient_norm(norm_type, before_collectives=ready)
+                pmodel.after_sync()
+            total = pmodel.optimizer_params.gradient_norm(norm_type, before_collectives=ready)
             coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-            for grad in self._pmodel.masters.grads():
+            for grad in self._pmodel.optimizer_params.grads():
                 grad.mul_(coefficient.to(grad.dtype))
             return total
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every (synchronized) gradient by `factor`."""
         self._pmodel.finish_gradient_sync()
-        for grad in self._pmodel.masters.grads():
+        for grad in self._pmodel.optimizer_params.grads():
             grad.mul_(factor)
 
     def register_reduce_hook(self, pre: Callable[[torch.Tensor], None] | None = None,
@@ -99,7 +99,7 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
         _check_params_belong(pmodel, params)
     groups = [g if isinstance(g, dict) else {"params": [g]} for g in params] if params and isinstance(params[0], dict) \
         else [{"params": list(params)}]
-    optimizer = optimizer_class(pmodel.masters.param_groups(groups), **kwargs)
+    optimizer = optimizer_class(pmodel.optimizer_params.param_groups(groups), **kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ShardwiseError(
             f"{getattr(optimizer_class, '__name__', optimizer_class)!r} returned {type(optimizer).__name__}, "
@@ -108,7 +108,7 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
     base = type(optimizer)
     optimizer.__class__ = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
     optimizer._pmodel = pmodel
-    pmodel._optimizers.append(optimizer)
+    pmodel.optimizers.append(optimizer)
     return optimizer
 
 

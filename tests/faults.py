@@ -23,12 +23,12 @@ def from_environment() -> str | None:
 
 
 def inject(name: str, config: dict) -> None:
+    import shardwise.build as build
     import shardwise.module as module
     import shardwise.parallel.data as data
     import shardwise.parallel.pipeline as pipeline
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor as tensor
-    import shardwise.parallel.zero as zero
 
     if name == "sum-not-mean":  # gradients summed over replicas instead of averaged
         base = data.ReduceGroup
@@ -62,27 +62,27 @@ def inject(name: str, config: dict) -> None:
             tp.partial_grad_params.clear()
             return tp
 
-        module.apply_tensor_parallel = unsummed
+        build.apply_tensor_parallel = unsummed
     elif name == "zero-off-by-one":  # the optimizer updates a shard one element off
-        original = zero._model_range
+        original = data.Bucket.param_range
 
         def shifted(bucket, lo, hi):  # the same length, one element further on (or back, at the end)
             step = 1 if hi < bucket.shard_start + bucket.shard_size else -1
             return original(bucket, lo + step, hi + step)
 
-        zero._model_range = shifted
+        data.Bucket.param_range = shifted
     elif name == "tied-not-summed":  # a tied embedding's gradient not summed across pipeline stages
-        module.tied_across_ranks = lambda *args, **kwargs: {}
+        build.tied_across_ranks = lambda *args, **kwargs: {}
     elif name == "dropout-per-shard":  # each sequence shard draws its own dropout mask
         tensor._sharded_dropout = lambda mod, x, *, tp, dim: F.dropout(x, mod.p, mod.training)
     elif name == "replica-weight-ignored":  # replicas weighted equally whatever their sample counts
-        original = module.ParallelModule._agree_on_batch
+        original = module.ParallelModule.agree_on_batch
 
         def equal(self, *args, **kwargs):
             batch, microbatches, _ = original(self, *args, **kwargs)
             return batch, microbatches, 1.0
 
-        module.ParallelModule._agree_on_batch = equal
+        module.ParallelModule.agree_on_batch = equal
     elif name == "recompute-rng-not-restored":  # the recomputation draws fresh dropout masks
         original_checkpoint = recompute.checkpoint
         recompute.checkpoint = lambda module, **kwargs: original_checkpoint(module, **{**kwargs, "preserve_rng_state": False})

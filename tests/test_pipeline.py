@@ -13,7 +13,7 @@ from shardwise.parallel.stage_program import capture_module
 from shardwise.plan.stages import balance, layout_stages
 
 STEPS = 5
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+SCHEDULES = list(sw.config.SCHEDULES)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -124,12 +124,12 @@ def _bf16_run(config: dict, batches):
 
 def _full_masters(pm, opt) -> dict[str, torch.Tensor]:
     """The float32 master weights, whole, by parameter name (collective)."""
-    return _gather_pieces(pm, lambda piece: piece.master.detach().reshape(-1))
+    return _gather_pieces(pm, lambda piece: piece.optimized.detach().reshape(-1))
 
 
 def _full_momentum(pm, opt) -> dict[str, torch.Tensor]:
-    return _gather_pieces(pm, lambda piece: opt.state.get(piece.master, {}).get(
-        "momentum_buffer", torch.zeros_like(piece.master)).detach().reshape(-1))
+    return _gather_pieces(pm, lambda piece: opt.state.get(piece.optimized, {}).get(
+        "momentum_buffer", torch.zeros_like(piece.optimized)).detach().reshape(-1))
 
 
 def _gather_pieces(pm, value) -> dict[str, torch.Tensor]:
@@ -141,8 +141,8 @@ def _gather_pieces(pm, value) -> dict[str, torch.Tensor]:
     for name, param in pm.module.named_parameters():
         local = param._local_tensor if isinstance(param, DTensor) else param
         flat = torch.zeros(local.numel())
-        for piece in pm.masters.pieces.get(id(param), []):
-            flat[piece.lo:piece.hi] = value(piece).float()
+        for piece in pm.optimizer_params.pieces.get(id(param), []):
+            flat[piece.start:piece.end] = value(piece).float()
         if pm.config.zero:
             dist.all_reduce(flat, group=pm.topology.group("dp"))  # each element held by one dp rank
         shaped = flat.view(local.shape)

@@ -1,7 +1,7 @@
 """Checkpoints: sharded save and resume, loading into any layout, merging to one file.
 
 `save_checkpoint` has every rank write only the regions it owns, once: the owner of an
-element is the rank that counts it in the global gradient norm (`Piece.counted`), so a
+element is the rank that counts it in the global gradient norm (`ParamPiece.owned`), so a
 tensor replicated over data-parallel ranks is written by one of them and ZeRO shards by the
 rank holding them. Regions are stored in global coordinates (`geometry.py`), which makes
 `load_checkpoint` independent of the saving run's layout: any dp/tp/pp/zero and world size
@@ -40,10 +40,10 @@ def _regions(pmodel, piece) -> list[tuple]:
     placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
     local_shape = tuple(param._local_tensor.shape if isinstance(param, DTensor) else param.shape)
     out = []
-    for rect, a, b in flat_rects(local_shape, piece.lo, piece.hi):
+    for rect, a, b in flat_rects(local_shape, piece.start, piece.end):
         for g, sub in local_to_global(rect, placement, pmodel.topology.tp_rank, pmodel.topology.sizes["tp"],
                                       tuple(param.shape)):
-            out.append((g, a - piece.lo, b - piece.lo, rect, sub))
+            out.append((g, a - piece.start, b - piece.start, rect, sub))
     return out
 
 
@@ -54,12 +54,12 @@ def _part(flat: torch.Tensor, start: int, stop: int, rect, sub) -> torch.Tensor:
 def _pieces(pmodel):
     """(canonical name, piece) for every piece of every parameter this rank holds."""
     for name, param in pmodel.module.named_parameters():
-        for piece in pmodel.masters.pieces.get(id(param), []):
-            yield pmodel._aliases.get(name, name), piece
+        for piece in pmodel.optimizer_params.pieces.get(id(param), []):
+            yield pmodel.index.canonical(name), piece
 
 
 def _buffers(pmodel) -> dict[str, torch.Tensor]:
-    params = set(pmodel._aliases)
+    params = set(pmodel.index.aliases)
     return {k: v for k, v in pmodel.module.state_dict(keep_vars=True).items() if k not in params}
 
 
@@ -106,7 +106,7 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
         meta = {
             "format": FORMAT, "world_size": topology.world_size, "layout": topology.sizes,
             "config": {k: str(v) for k, v in vars(pmodel.config).items()}, "plan": pmodel.plan.to_dict(),
-            "steps": pmodel.steps, "state_keys": list(pmodel._state_shapes), "aliases": pmodel._aliases,
+            "steps": pmodel.steps, "state_keys": list(pmodel.index.state_shapes), "aliases": pmodel.index.aliases,
             "optimizer": optimizer is not None, "files": {str(r): c for r, c in enumerate(agreement.values())},
         }
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
@@ -125,23 +125,23 @@ def _collect(pmodel, optimizer) -> RankWriter:
     topology = pmodel.topology
     writer = RankWriter()
     for name, piece in _pieces(pmodel):
-        if not piece.counted:
+        if not piece.owned:
             continue
-        model, master = piece.model(), piece.master.reshape(-1) if piece.write_back is not None else None
+        model, master = piece.model_values(), piece.optimized.reshape(-1) if piece.write_back is not None else None
         state = {k: local(v) if isinstance(v, torch.Tensor) else v
-                 for k, v in (optimizer.state.get(piece.master, {}) if optimizer is not None else {}).items()}
+                 for k, v in (optimizer.state.get(piece.optimized, {}) if optimizer is not None else {}).items()}
         for g, a, b, rect, sub in _regions(pmodel, piece):
             writer.add(f"model/{name}", tuple(piece.param.shape), g, _part(model, a, b, rect, sub))
             if master is not None:
                 writer.add(f"master/{name}", tuple(piece.param.shape), g, _part(master, a, b, rect, sub))
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.numel() == piece.hi - piece.lo and value.dim():
+                if isinstance(value, torch.Tensor) and value.numel() == piece.end - piece.start and value.dim():
                     writer.add(f"optim/{name}/{key}", tuple(piece.param.shape), g, _part(value.reshape(-1), a, b, rect, sub))
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
                                       "shardwise checkpoints tensor state (torch.optim optimizers keep tensors)")
-            if value.dim() == 0 and piece.lo == 0:
+            if value.dim() == 0 and piece.start == 0:
                 writer.add(f"optim/{name}/{key}", (), (), value)
     owner = all(topology.coordinates[d] == 0 for d in ("dp", "cp", "tp"))
     for name, buffer in _buffers(pmodel).items():
@@ -157,8 +157,8 @@ def _group_names(pmodel, optimizer) -> list[list[str]]:
     """Each optimizer parameter group's parameters, by canonical name."""
     if optimizer is None:
         return []
-    return [[pmodel._aliases.get(n, n) for n, p in pmodel.module.named_parameters() if any(
-        piece.master is m for piece in pmodel.masters.pieces.get(id(p), []) for m in g["params"])]
+    return [[pmodel.index.canonical(n) for n, p in pmodel.module.named_parameters() if any(
+        piece.optimized is m for piece in pmodel.optimizer_params.pieces.get(id(p), []) for m in g["params"])]
             for g in optimizer.param_groups]
 
 
@@ -219,7 +219,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
                 optimizer.state[master] = state
             for group, saved in zip(optimizer.param_groups, reader.saved["param_groups"]):
                 group.update(saved)
-        pmodel.masters.write_back()  # ZeRO: whole parameters from the loaded shards
+        pmodel.optimizer_params.write_back()  # ZeRO: whole parameters from the loaded shards
         pmodel.steps = reader.meta["steps"]
         if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
             _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
@@ -229,12 +229,12 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
 def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> None:
     """Read every value this rank will load, without changing anything yet."""
     for name, piece in _pieces(pmodel):
-        model = piece.model()
+        model = piece.model_values()
         value, master = torch.empty_like(model), None
         if piece.write_back is not None:
-            master = torch.empty_like(piece.master.reshape(-1))
+            master = torch.empty_like(piece.optimized.reshape(-1))
         optim_keys = [k for k in reader.keys if k.startswith(f"optim/{name}/")] if optimizer is not None else []
-        state = {k.rsplit("/", 1)[1]: torch.empty(piece.hi - piece.lo, dtype=getattr(torch, reader.keys[k]["dtype"]),
+        state = {k.rsplit("/", 1)[1]: torch.empty(piece.end - piece.start, dtype=getattr(torch, reader.keys[k]["dtype"]),
                                                   device=model.device)
                  for k in optim_keys if reader.keys[k]["shape"]}
         for g, a, b, rect, sub in _regions(pmodel, piece):
@@ -246,11 +246,11 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> Non
                 _part(tensor, a, b, rect, sub).copy_(reader.read(f"optim/{name}/{key}", g))
         staged.append((model, value))
         if master is not None:
-            staged.append((piece.master.reshape(-1), master))
+            staged.append((piece.optimized.reshape(-1), master))
         if optimizer is not None:
             scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
                        if not reader.keys[k]["shape"]}
-            states[id(piece.master)] = (piece.master, {**{k: _like(piece.master, v) for k, v in state.items()},
+            states[id(piece.optimized)] = (piece.optimized, {**{k: _like(piece.optimized, v) for k, v in state.items()},
                                                        **scalars})
     for name, buffer in _buffers(pmodel).items():
         staged.append((buffer, reader.read(f"buffer/{name}", tuple((0, s) for s in buffer.shape))))
@@ -265,7 +265,7 @@ def _like(master: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def _check_same_model(reader: Reader, pmodel, optimizer) -> None:
-    expected = {k: shape for k, shape in pmodel._state_shapes.items() if pmodel._aliases.get(k, k) == k}
+    expected = {k: shape for k, shape in pmodel.index.state_shapes.items() if pmodel.index.canonical(k) == k}
     found = {k.split("/", 1)[1]: tuple(v["shape"]) for k, v in reader.keys.items() if k.startswith(("model/", "buffer/"))}
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:

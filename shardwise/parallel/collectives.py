@@ -24,11 +24,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import PlanError
 
-# torch 2.13 renamed the functional all-gather / reduce-scatter (*_tensor -> *_single).
-all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
 def _dim(placement: Shard, x: torch.Tensor) -> int:
     return placement.dim % x.dim()
 
@@ -38,7 +33,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(all_gather_single(x.contiguous(), dim, group))
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
 def _divisible(x: torch.Tensor, dim: int, size: int) -> None:
@@ -51,7 +46,7 @@ def _divisible(x: torch.Tensor, dim: int, size: int) -> None:
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     _divisible(x, dim, dist.get_world_size(group))
-    return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

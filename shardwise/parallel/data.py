@@ -33,112 +33,22 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..comm import CommStats, all_gather_single, broadcast_tensors, coalesce, reduce_scatter_single, wait
+from ..comm import CommStats, broadcast_tensors, coalesce, wait
 from ..config import ParallelConfig
 from ..errors import ShardwiseError
 from ..topology import Topology
 from ..tensors import local
+from .buckets import Bucket, ReduceGroup, as_grad
 from .tensor import TensorParallel
 
 MiB = 1 << 20
 SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)
-
-
-@dataclass(frozen=True)
-class ReduceGroup:
-    """Where a parameter's gradient is summed, and the factor applied first.
-
-    `uniform`: every member holds the same parameters in the same order (data- and
-    tensor-parallel peers do; pipeline ranks sharing a tied parameter do not), so
-    per-parameter flags can ride along in this group's buckets.
-    """
-
-    group: dist.ProcessGroup
-    scale: float
-    label: str
-    uniform: bool = True
-    spans_tp: bool = False  # its members include every tensor-parallel rank of a parameter
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-
-def _as_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
-    """`view` as a gradient of `param`: a DTensor with the parameter's layout if it is one."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return view
-
-
-class Bucket:
-    """A flat gradient buffer for a run of parameters, reduced by one collective.
-
-    Under ZeRO (`sharded`) the buffer is padded to a multiple of the group size and this
-    rank owns one contiguous shard of it: stage 1 reduce-scatters in place and keeps the
-    buffer; stage 2+ reduce-scatters into a separate shard and frees the buffer until the
-    next backward. `tail` spare slots (stage 0 only) carry the unused mask and the loss.
-    """
-
-    def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, dtype: torch.dtype,
-                 sharded: bool, keep_buffer: bool, tail: int = 0):
-        self.index = index
-        self.params = params
-        self.reduce = reduce
-        self.dtype = dtype
-        self.device = local(params[0]).device
-        self.shapes = [local(p).shape for p in params]
-        self.sizes = [local(p).numel() for p in params]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
-        numel = sum(self.sizes)
-        ways = reduce.size if sharded else 1
-        self.padded = -(-numel // ways) * ways
-        self.shard_size = self.padded // ways
-        self.shard_start = (dist.get_rank(reduce.group) if sharded else 0) * self.shard_size
-        self.sharded = sharded
-        self.tail_size = tail
-        self.main_grad = any(local(p).dtype != dtype for p in params)  # grads cast into the buffer
-        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device) if sharded and not keep_buffer else None
-        self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
-        self.tail = torch.empty(0)
-        if keep_buffer:
-            self.allocate()
-        self.pending = len(params)
-        self.work: dist.Work | None = None
-
-    def allocate(self) -> None:
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.padded + self.tail_size, dtype=self.dtype, device=self.device)
-            self.views = [self.buffer[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self.sizes, self.shapes)]
-            self.tail = self.buffer[self.padded:]
-
-    def release(self) -> None:
-        self.buffer, self.views = None, []
-
-    @property
-    def grads(self) -> torch.Tensor:
-        """The gradient region of the buffer (padding included, tail excluded)."""
-        return self.buffer[: self.padded]
-
-    @property
-    def grad_shard(self) -> torch.Tensor:
-        """This rank's reduced shard (ZeRO): in the buffer for stage 1, separate for 2+."""
-        if self.shard is not None:
-            return self.shard
-        return self.buffer[self.shard_start: self.shard_start + self.shard_size]
-
-    @property
-    def nbytes(self) -> int:
-        return (self.padded + self.tail_size) * torch.empty((), dtype=self.dtype).element_size()
 
 
 class GradientBuckets:
@@ -189,10 +99,6 @@ class GradientBuckets:
         self._reset_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slot]
 
-    @property
-    def groups(self) -> list[ReduceGroup]:
-        return list(dict.fromkeys(b.reduce for b in self.buckets))
-
     def _reset_window(self) -> None:
         self._used = [False] * len(self.params)  # any local gradient since the last sync
         self._ready = [False] * len(self.params)  # gradient final in this synced backward
@@ -223,7 +129,7 @@ class GradientBuckets:
             self._used[index] = True
         elif not self._used[index]:
             view.zero_()  # no local gradient (yet): contributes zeros; finish() decides
-        param.grad = None if bucket.main_grad else _as_grad(param, view)
+        param.grad = None if bucket.main_grad else as_grad(param, view)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
@@ -320,7 +226,7 @@ class GradientBuckets:
             bucket.tail.copy_(self._side_values(reduce.size))
         if bucket.sharded:
             self.stats.record("reduce_scatter", bucket.grads)
-            bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
+            bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
         else:
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
@@ -377,7 +283,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.sharded:
                 full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-                all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
+                dist.all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
             else:
                 full = bucket.grads
             for param, offset, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes, bucket.shapes):
@@ -400,8 +306,16 @@ class GradientBuckets:
         return self._switched_off("sync_enabled")
 
     def manual_finish(self) -> contextlib.AbstractContextManager:
-        """Within this block the caller calls `finish()` itself (train_step does)."""
+        """Within this block the caller calls `finish()` itself."""
         return self._switched_off("auto_finish")
+
+    @contextlib.contextmanager
+    def step(self, replica_weight: float) -> Iterator["StepGradients"]:
+        """One training step's gradient accumulation (see `StepGradients`); `replica_weight`
+        is this replica's share relative to an equal one."""
+        self.replica_weight = replica_weight
+        with self.manual_finish():
+            yield StepGradients(self)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -423,11 +337,7 @@ class GradientBuckets:
                     bucket.buffer.zero_()
                 for param, view in zip(bucket.params, bucket.views):
                     if not bucket.main_grad and not bucket.sharded:
-                        param.grad = _as_grad(param, view)
-
-    def remove(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
+                        param.grad = as_grad(param, view)
 
     def describe(self) -> list[str]:
         return [
@@ -437,6 +347,49 @@ class GradientBuckets:
             + (f" (incl. {b.tail_size}-slot mask/loss tail)" if b.tail_size else "")
             for b in self.buckets
         ]
+
+
+@dataclass
+class GradientSync:
+    """How a pipeline tells the gradient reduction where it is: `last_backward()` wraps a
+    stage's last backward of the step, `final(params)` reports parameters whose gradients are
+    final (the stage is done)."""
+
+    last_backward: Callable[[], contextlib.AbstractContextManager]
+    final: Callable[[list[nn.Parameter]], None]
+
+
+class StepGradients:
+    """One training step of a `GradientBuckets`: microbatches accumulate, the last backward
+    reduces (or, in a pipeline, each stage's last backward), and `finish` returns the mean
+    loss over replicas, which rides with the gradients. Outside a synchronized step
+    (`no_sync`) nothing is reduced and `finish` returns this replica's loss."""
+
+    def __init__(self, buckets: GradientBuckets):
+        self.buckets = buckets
+        self.syncing = buckets.sync_enabled
+
+    def microbatch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a microbatch's forward and backward: only the last one reduces."""
+        return contextlib.nullcontext() if last else self.buckets.no_sync()
+
+    def loss(self, local_mean: torch.Tensor) -> None:
+        """This replica's mean loss; call before the backward that reduces."""
+        if self.syncing:
+            self.buckets.stage_scalars(local_mean * self.buckets.replica_weight)
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[GradientSync | None]:
+        """Around a pipeline schedule: yields how its stages report their last backwards, or
+        None outside a synchronized step."""
+        with self.buckets.no_sync():
+            yield GradientSync(self.buckets.final_backward, self.buckets.grads_final) if self.syncing else None
+
+    def finish(self, local_mean: torch.Tensor) -> torch.Tensor:
+        """Complete the reduction; the mean loss over replicas (this replica's without sync)."""
+        if not self.syncing:
+            return local_mean
+        return self.buckets.finish()[0]
 
 
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,

@@ -43,31 +43,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..batch import batch_size, loss_of, map_tensors, split_batch
+from ..config import SCHEDULES
 from ..plan.stages import StageLayout
 from ..random_state import rng_state, set_rng_state, without_trace
 from ..tensors import tensor_leaves
 from ..topology import Topology
+from .data import GradientSync
 from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, split
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "zero-bubble": ScheduleInterleavedZeroBubble}
-
-
-@dataclass
-class GradientSync:
-    """How the pipeline tells the gradient reduction where it is: `last_backward()` wraps a
-    stage's last backward of the step, `final(params)` reports parameters whose gradients are
-    final (the stage is done)."""
-
-    last_backward: Callable[[], contextlib.AbstractContextManager]
-    final: Callable[[list[nn.Parameter]], None]
-
 
 @dataclass
 class PipelineStats:
@@ -152,7 +139,8 @@ class ScheduledStage(StageModule):
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         pipeline = self._pipeline[0]
-        out = pipeline.run_forward(lambda: StageModule.forward(self, *received, batch=batch))
+        with pipeline.forward_context():
+            out = StageModule.forward(self, *received, batch=batch)
         self.calls += 1
         if self.last:
             out = loss_of(out) if self.loss_only else _leaves_for_merge(out)
@@ -203,7 +191,7 @@ class Pipeline:
 
     def __init__(self, module: nn.Module, shadow: nn.Module, fake_mode, topology: Topology, layout: StageLayout,
                  schedule: str, microbatches: int, units: list[str], sample: Any, program: Program,
-                 run_forward: Callable[[Callable[[], Any]], Any]):
+                 forward_context: Callable[[], contextlib.AbstractContextManager]):
         self.module = module
         self.shadow = shadow
         self.fake_mode = fake_mode
@@ -217,7 +205,7 @@ class Pipeline:
         self.stages = layout.stages_of_rank(topology.pp_rank)
         self.units = units
         self.stats = PipelineStats()
-        self.run_forward = run_forward  # wraps a forward (tensor-parallel first-forward check)
+        self.forward_context = forward_context  # around each stage forward (tensor parallel's checks)
         self._sync: GradientSync | None = None
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
@@ -270,7 +258,8 @@ class Pipeline:
                     received = self._recv(self.owner(stage - 1))
                 module = StageModule(self.module, program, parts[stage], stage == self.layout.num_stages - 1,
                                      self.device)
-                out = self.run_forward(lambda: module(*received, batch=microbatch))
+                with self.forward_context():
+                    out = module(*received, batch=microbatch)
                 examples[stage] = (tuple(received), out)
                 if stage + 1 < self.layout.num_stages:
                     self._send(list(out), self.owner(stage + 1))
@@ -305,7 +294,7 @@ class Pipeline:
                 module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training)
                 stages.append(ReducingStage(module, stage, self.layout.num_stages, self.device, input_args=inputs,
                                             output_args=outputs, group=self.group, pipeline=self))
-            cls = SCHEDULES[self.schedule_name]
+            cls = SCHEDULES[self.schedule_name].torch_class
             target = stages if self.layout.virtual > 1 else stages[0]
             compiled.stages[training] = stages
             compiled.schedules[training] = cls(target, self.microbatches, loss_fn=self._microbatch_loss,
@@ -428,20 +417,20 @@ def _rebuild(program: Program, merged: tuple) -> Any:
     return tree_unflatten([next(supply) if isinstance(leaf, Ref) else leaf for leaf in leaves], spec)
 
 
-def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dict[str, tuple]:
+def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dict[str, int]:
     """Drop the parameters and buffers of modules this pipeline rank never runs.
 
-    Returns the full state dict's layout, key -> (shape, dtype, stage), for gathering it.
+    Returns the full state dict's keys -> the stage holding each, for gathering it.
     """
     mine = set(layout.stages_of_rank(pp_rank))
     unit_of = {}
     for path in layout.stage_of:
         for sub, _ in module.get_submodule(path).named_modules():
             unit_of[f"{path}.{sub}" if sub else path] = path
-    state_layout = {}
-    for key, value in module.state_dict(keep_vars=True).items():
+    stage_of_key = {}
+    for key in module.state_dict(keep_vars=True):
         owner_path = key.rpartition(".")[0]
-        state_layout[key] = (tuple(value.shape), value.dtype, layout.stage_of[unit_of[owner_path]])
+        stage_of_key[key] = layout.stage_of[unit_of[owner_path]]
     kept = {id(p) for path in layout.stage_of if layout.stage_of[path] in mine
             for p in module.get_submodule(path).parameters()}
     for path, stage in layout.stage_of.items():
@@ -453,7 +442,7 @@ def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dic
                     mod._parameters[name] = None
             for name in list(mod._buffers):
                 mod._buffers[name] = None
-    return state_layout
+    return stage_of_key
 
 
 def tied_across_ranks(module: nn.Module, layout: StageLayout) -> dict[str, list[int]]:

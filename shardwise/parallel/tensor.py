@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..comm import broadcast_tensors
+from ..deferred import is_deferred
 from ..errors import PlanError
 from ..plan.plan import Conversion, placement_str, shard_dim
 from ..plan.resolve import ResolvedPlan
@@ -53,12 +54,6 @@ from .tensor_check import checked_forward
 def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
     """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _is_deferred(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
@@ -160,6 +155,20 @@ class TensorParallel:
         self._entered.clear()
         self._gathered.clear()
         self._entered_storages.clear()
+
+    @contextlib.contextmanager
+    def forward(self, module: nn.Module) -> Iterator[None]:
+        """Around one forward of `module` (or of a pipeline stage of it): the first is checked,
+        and the per-forward state is dropped after each."""
+        try:
+            with self.check_first_forward(module):
+                yield
+        finally:
+            self.end_forward()
+
+    def is_replaying(self, path: str) -> bool:
+        """Whether module `path` is being recomputed with inputs already converted."""
+        return path in self._replaying
 
     def keeping_shards(self) -> contextlib.AbstractContextManager:
         """Around a column-parallel module's compute: an input all-gathered from sequence
@@ -350,7 +359,7 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) not in converted:
                 placement = placements.get(leaf, Replicate())
-                if materialize is not None and _is_deferred(param):
+                if materialize is not None and is_deferred(param):
                     shard = materialize(f"{path}.{leaf}" if path else leaf, placement)
                     data = DTensor.from_local(shard, tp.mesh, [placement], run_check=False,
                                               shape=param.shape, stride=param.stride())
@@ -399,7 +408,7 @@ def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorPara
                     signature: inspect.Signature) -> tuple[tuple, dict] | None:
     """Forward pre-hook: the plan's input conversions, applied to the module's tensor
     arguments in the order of its forward's signature (the i-th placement, the i-th tensor)."""
-    if path in tp._replaying:
+    if tp.is_replaying(path):
         return None
     bound = signature.bind_partial(*args, **kwargs)
     names = [name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)]

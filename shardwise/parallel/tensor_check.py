@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..errors import PlanError
+from ..tensors import tensor_leaves
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
 
@@ -64,7 +64,7 @@ class FeatureFlow(TorchDispatchMode):
 
     def mark(self, tensor: torch.Tensor, layout: FeatureLayout | None) -> None:
         """`tensor` is a column output with `layout`, or (None) a reduced, replicated value."""
-        for t in _tensors(tensor):
+        for t in tensor_leaves(tensor):
             if layout is None:
                 self.layout.pop(id(t), None)
                 self.taint.pop(id(t), None)
@@ -80,11 +80,11 @@ class FeatureFlow(TorchDispatchMode):
         self.gathered[id(tensor)] = where
 
     def _check_gathered_readers(self, func, args, kwargs, out) -> None:
-        where = next((self.gathered[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.gathered), None)
+        where = next((self.gathered[id(t)] for t in tensor_leaves((args, kwargs)) if id(t) in self.gathered), None)
         if where is None:
             return
         if func.is_view:
-            for t in _tensors(out):
+            for t in tensor_leaves(out):
                 self._alive.append(t)
                 self.gathered[id(t)] = where
         elif not (self.modules and self.modules[-1] in self.column):
@@ -104,7 +104,7 @@ class FeatureFlow(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor decomposes into local ops, which come back here
-        inputs = [t for t in _tensors((args, kwargs)) if id(t) in self.taint]
+        inputs = [t for t in tensor_leaves((args, kwargs)) if id(t) in self.taint]
         try:
             out = func(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised, named when the plan is the likely cause
@@ -125,7 +125,7 @@ class FeatureFlow(TorchDispatchMode):
             if self.modules:
                 self.seen.setdefault(self.modules[-1], set()).update(taint)
             layouts = [self.layout[id(t)] for t in inputs if id(t) in self.layout]
-            outputs = _tensors(out)
+            outputs = tensor_leaves(out)
             for t in outputs:
                 self._alive.append(t)
                 self.taint[id(t)] = taint
@@ -148,10 +148,6 @@ class FeatureFlow(TorchDispatchMode):
         for t in outputs:
             if t.shape == source.shape:
                 self.layout[id(t)] = layout
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -206,7 +202,7 @@ def _check_inputs(flow: FeatureFlow, path: str, mod: nn.Module, inputs: Any, col
     if path in declared_inputs or path in column:
         return
     holds = any(True for _ in mod.parameters(recurse=False))
-    for tensor in _tensors(inputs):
+    for tensor in tensor_leaves(inputs):
         layout = flow.layout_of(tensor)
         if layout is None:
             continue

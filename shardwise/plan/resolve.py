@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import PlanError
@@ -32,10 +32,6 @@ class ResolvedPlan:
     loss_parallel: set[str] = field(default_factory=set)
     divide_by_tp: list[tuple[str, str]] = field(default_factory=list)  # (module path, attribute)
     recompute: list[str] = field(default_factory=list)
-
-    @property
-    def shards_anything(self) -> bool:
-        return any(not isinstance(p, Replicate) for p in self.params.values())
 
 
 def _regex(pattern: str, root: str) -> re.Pattern:

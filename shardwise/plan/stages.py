@@ -17,12 +17,9 @@ import difflib
 from dataclasses import dataclass
 
 from torch import nn
-from ..config import ParallelConfig
+from ..config import SCHEDULES, ParallelConfig
 from ..errors import ModelError, PlanError
 from .plan import Plan
-
-INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
-
 
 @dataclass
 class Unit:
@@ -155,10 +152,11 @@ def _resolve_path(path: str, units: list[Unit]) -> str:
 def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program) -> StageLayout:
     """The stage layout for `config.pp` pipeline ranks from the forward captured on the sample
     (`stage_program.capture`); `PlanError` on a split that cannot run."""
-    virtual = plan.virtual_stages or (2 if config.schedule in INTERLEAVED else 1)
-    if config.schedule in INTERLEAVED and virtual < 2:
+    interleaved = SCHEDULES[config.schedule].interleaved
+    virtual = plan.virtual_stages or (2 if interleaved else 1)
+    if interleaved and virtual < 2:
         raise PlanError(f"schedule {config.schedule!r} needs virtual_stages >= 2 in the plan, got {virtual}")
-    if config.schedule not in INTERLEAVED and virtual != 1:
+    if not interleaved and virtual != 1:
         raise PlanError(
             f"schedule {config.schedule!r} runs one stage per rank; use schedule='interleaved-1f1b' or "
             f"'zero-bubble' for virtual_stages={virtual}"

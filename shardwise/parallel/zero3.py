@@ -27,11 +27,13 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_single, wait
-from .data import Bucket, GradientBuckets
-from .zero import _flatten_params
+from ..comm import wait
+from ..tensors import tensor_leaves
+from .buckets import Bucket
+from .data import GradientBuckets
 
 
 class ParameterShards:
@@ -46,9 +48,8 @@ class ParameterShards:
         self._needed: dict[str, list[Bucket]] = {}
         slot = {id(p): b for b in gradients.buckets for p in b.params}
         for bucket in gradients.buckets:
-            bucket.param_buffer = _flatten_params(bucket)
-            start = bucket.shard_start
-            bucket.param_shard = bucket.param_buffer[start: start + bucket.shard_size].clone()
+            bucket.flatten_params()
+            bucket.keep_param_shard()
         units_of_bucket: dict[int, int] = {}
         for path in units:
             buckets = list({id(slot[id(p)]): slot[id(p)] for p in module.get_submodule(path).parameters()
@@ -74,7 +75,7 @@ class ParameterShards:
             buffer = bucket.param_buffer
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
             self.stats.record("all_gather", buffer)
-            self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
+            self._works[id(bucket)] = dist.all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
                                                         async_op=True)
         if wait_now and id(bucket) in self._works:
             wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
@@ -105,8 +106,7 @@ class ParameterShards:
             yield
         finally:
             for bucket in self.gradients.buckets:
-                start = bucket.shard_start
-                bucket.param_shard.copy_(bucket.param_buffer[start: start + bucket.shard_size])
+                bucket.keep_param_shard()
             self.release_all()
 
     def release_all(self) -> None:
@@ -118,7 +118,7 @@ class ParameterShards:
         if path not in self._order:
             self._order.append(path)
         if torch.is_grad_enabled() and not _in_backward():  # its backward is done when its input's gradient arrives
-            for tensor in _tensors(inputs):
+            for tensor in tensor_leaves(inputs):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, path=path: self._after_backward(path))
         for bucket in self._needed[path]:
@@ -133,7 +133,7 @@ class ParameterShards:
         for bucket in self._needed[path]:
             self._release(bucket)
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in tensor_leaves(output) if t.requires_grad]
             if tensors:
                 tensors[0].register_hook(lambda grad, path=path: self._before_backward(path))
 
@@ -153,8 +153,3 @@ def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a recompute's forward)."""
     return torch._C._current_graph_task_id() != -1
 
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]

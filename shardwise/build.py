@@ -1,0 +1,261 @@
+"""`parallelize`: check everything, agree, then apply the executors to the module in order.
+
+The steps (`_build`), each reading only the Topology and the Plan: index the whole model ->
+prune to this rank's pipeline stages -> materialize (deferred init) -> tensor parallel ->
+recompute -> pipeline schedule -> mixed precision -> data parallel / ZeRO buckets -> ZeRO-3
+parameter shards -> the optimizer's parameters. Each is an `apply_*` function or an
+executor's constructor taking the module; `ParallelModule` receives what they return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batch import split_batch
+from .comm import broadcast_rng_state
+from .config import SCHEDULES, ParallelConfig
+from .coordination import Fingerprint, fingerprint_of, world_coordinator
+from .deferred import check_materializable, is_deferred, materializer
+from .errors import ConfigError, ModelError, ShardwiseError
+from .module import ParallelModule, forward_context
+from .parallel.data import apply_data_parallel
+from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.recompute import apply_recompute, recompute_targets
+from .parallel.stage_program import capture_module, split
+from .parallel.tensor import apply_tensor_parallel, tensor_parallel_rules
+from .parallel.zero import OptimizerParams
+from .parallel.zero3 import ParameterShards
+from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
+from .plan.stages import StageLayout, candidate_units, layout_stages
+from .state import ModelIndex
+from .tensors import local
+from .topology import Topology, init_distributed
+
+# Degrees this build's executors run; later layouts lift these limits.
+_SUPPORTED = {"cp": 1}
+
+
+def parallelize(
+    module: nn.Module,
+    config: ParallelConfig | None = None,
+    plan: Plan | dict | str | Path | None = None,
+    sample: Any = None,
+) -> ParallelModule:
+    """Turn `module` into a `ParallelModule` laid out as `config` and `plan` say.
+
+    Collective: every rank calls it with the same module architecture, config and plan.
+    Replicas start from the first data-parallel rank's parameter values. `plan` is a
+    `Plan`, a dict (also veScale's form), a zoo name (`sw.plan.zoo`), a .json path, or
+    None (replicate everything). `sample` (an example batch) is used by layouts that need
+    shapes ahead of time.
+
+    Everything that can be wrong is checked on each rank first; then the ranks agree, so a
+    problem found on any rank (a plan file missing on one machine, a different model on
+    one rank) is the same error on every rank before any group is created.
+    """
+    config = config if config is not None else ParallelConfig()
+    timeout_s = config.timeout_s if isinstance(config, ParallelConfig) else ParallelConfig.timeout_s
+    init_distributed(timeout=timedelta(seconds=timeout_s))
+    problem, checked = None, None
+    try:
+        checked = _check_locally(module, config, plan, sample)
+    except ShardwiseError as exc:
+        problem = exc
+    except Exception as exc:  # noqa: BLE001 - agreed like any problem, so no rank is left waiting
+        problem = ShardwiseError(f"parallelize failed before communicating: {type(exc).__name__}: {exc}")
+        problem.__cause__ = exc
+    lines = _model_signature(module, checked[0], checked[1]) if problem is None else []
+    coordinator = world_coordinator(timeout_s)
+    coordinator.agree("parallelize", problem, fingerprints=[Fingerprint(
+        fingerprint_of(lines), lambda: lines, ModelError,
+        "Every rank must build the same model with the same config and plan (same seed-independent "
+        "architecture and shapes); check rank-dependent code before sw.parallelize")])
+    config, chosen, resolved, pipelined = checked
+    if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
+        config = _without_zero(config)  # dp * cp == 1
+    topology = Topology(config)
+    with coordinator.body("parallelize"):
+        return _build(module, topology, chosen, resolved, pipelined)
+
+
+def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any):
+    """Every check `parallelize` can make without communicating: (config with the plan's ZeRO
+    stage, plan, resolved plan, stage layout)."""
+    if isinstance(module, ParallelModule):
+        raise ModelError("module is already a ParallelModule; pass the original module to parallelize")
+    if not isinstance(module, nn.Module):
+        raise ModelError(f"parallelize needs a torch.nn.Module, got {type(module).__name__}")
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ModelError(
+            f"{type(module).__name__} has no trainable parameters (none, or all requires_grad=False); "
+            "shardwise parallelizes training, so give the module at least one parameter that requires grad"
+        )
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config must be a sw.ParallelConfig, got {type(config).__name__}")
+    for name, limit in _SUPPORTED.items():
+        if getattr(config, name) > limit:
+            raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
+    check_materializable(module)
+    chosen = as_plan(plan, config)
+    config = _with_plan_zero(config, chosen)
+    resolved = resolve_plan(chosen, module, config.tp)
+    if config.tp > 1:
+        tensor_parallel_rules(module, resolved)
+    config.resolve(dist.get_world_size())
+    layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
+    recompute_targets(module, config, resolved)
+    return config, chosen, resolved, layout
+
+
+def _with_plan_zero(config: ParallelConfig, plan: Plan) -> ParallelConfig:
+    """The config with the plan's ZeRO stage, when the plan gives one."""
+    if plan.zero is None or plan.zero == config.zero:
+        return config
+    if config.zero:
+        raise ConfigError(f"the config asks for zero={config.zero} and plan {plan.name or 'given'} for zero={plan.zero}; "
+                          "set one of them (or both the same)")
+    return dataclasses.replace(config, zero=plan.zero)
+
+
+def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | None) -> list[str]:
+    """What every rank must share: the module's class, every parameter's and buffer's name,
+    shape and dtype, the config and the plan (one line each, compared across ranks)."""
+    lines = [f"module {type(module).__qualname__}", f"config {config.describe()}",
+             f"plan {plan.to_json() if plan is not None else None}"]
+    for name, param in module.named_parameters(remove_duplicate=False):
+        lines.append(f"parameter {name} of shape {tuple(param.shape)} {param.dtype}"
+                     + ("" if param.requires_grad else " (frozen)"))
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        lines.append(f"buffer {name} of shape {tuple(buffer.shape)} {buffer.dtype}")
+    return lines
+
+
+def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan,
+           pipelined: PipelineCapture | None) -> ParallelModule:
+    """The executors, in order; every rank runs the same steps (agreed by parallelize)."""
+    config = topology.config
+    index = ModelIndex.of(module)
+    layout = pipelined.layout if pipelined is not None else None
+    if layout is not None:
+        index.tied = tied_across_ranks(module, layout)
+        index.stage_of_key = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages
+    materialize = materializer(module, resolved, topology)  # deferred init: each rank's shards only
+    if topology.size("pp", "cp", "tp") > 1:  # random ops agree inside a replica
+        broadcast_rng_state(topology.group("pp", "cp", "tp"), topology.device)
+    tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize) if topology.sizes["tp"] > 1 \
+        else None
+    module.to(topology.device)
+    recomputed = apply_recompute(module, config, resolved, tensor_parallel)
+    pipeline = None
+    if pipelined is not None:
+        pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
+                            config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
+                            functools.partial(forward_context, tensor_parallel, module))
+    fp32_values = apply_mixed_precision(module, config)
+    units = zero3_units(module) if config.zero == 3 else None
+    gradients = apply_data_parallel(module, topology, config, tensor_parallel, index.tied, units,
+                                    _stages_of_rank(layout, topology.pp_rank))
+    param_shards = ParameterShards(module, gradients, units) if config.zero == 3 else None
+    optimizer_params = OptimizerParams(module, gradients, topology, config.zero, fp32_values,
+                                       _first_holders(module, index.tied or {}, topology.pp_rank))
+    return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
+                          pipeline=pipeline, gradients=gradients, param_shards=param_shards,
+                          optimizer_params=optimizer_params, recomputed=recomputed)
+
+
+def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:
+    """Cast `module` to `config.param_dtype`; returns the float32 values from before the cast
+    (parameter id -> local tensor), from which the optimizer's master copies start.
+
+    Args:
+        module: the module, materialized and on its device.
+        config: `param_dtype` None or float32 leaves the module as it is (returns {}).
+    """
+    if config.param_dtype in (None, torch.float32):
+        return {}
+    fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters() if p.requires_grad}
+    module.to(config.param_dtype)
+    return fp32_values
+
+
+def zero3_units(module: nn.Module) -> list[str]:
+    """The modules ZeRO-3 gathers one at a time: the pipeline's candidate units that hold parameters."""
+    return [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())]
+
+
+def _stages_of_rank(layout: StageLayout | None, pp_rank: int) -> dict[str, int] | None:
+    """This rank's pipeline units -> their stage (each stage reduces its own buckets)."""
+    if layout is None:
+        return None
+    mine = set(layout.stages_of_rank(pp_rank))
+    return {path: stage for path, stage in layout.stage_of.items() if stage in mine}
+
+
+def _first_holders(module: nn.Module, tied: dict[str, list[int]], pp_rank: int) -> dict[int, bool]:
+    """Tied parameter id -> whether this pipeline rank is the first holding it (which counts it)."""
+    first = {name: ranks[0] == pp_rank for name, ranks in tied.items()}
+    return {id(p): first[n] for n, p in module.named_parameters(remove_duplicate=False) if n in first}
+
+
+def _without_zero(config: ParallelConfig) -> ParallelConfig:
+    """ZeRO shards over data-parallel replicas; with one replica there is nothing to shard."""
+    warnings.warn(f"zero={config.zero} with one data-parallel replica has nothing to shard; running as zero=0",
+                  stacklevel=3)
+    return dataclasses.replace(config, zero=0)
+
+
+@dataclass
+class PipelineCapture:
+    """The forward captured on a sample microbatch (on a fake shadow of the model) and the
+    stage layout drawn from it: what the pipeline executor is built from."""
+
+    shadow: nn.Module
+    fake_mode: Any
+    units: list[str]
+    microbatch: Any
+    program: Any
+    layout: StageLayout
+
+
+def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> PipelineCapture:
+    """Stages for pp > 1, checked before any rank communicates (same result on every rank)."""
+    if sample is None:
+        raise ConfigError(f"pp={config.pp} needs sample=<a batch like the training batches> to lay out the stages")
+    if config.microbatches < config.pp:
+        raise ConfigError(
+            f"microbatches={config.microbatches} < pp={config.pp}: a pipeline of {config.pp} stages needs at least "
+            f"{config.pp} microbatches per step to keep every stage busy; set microbatches >= {config.pp}"
+        )
+    if SCHEDULES[config.schedule].interleaved and config.microbatches % config.pp:
+        raise ConfigError(
+            f"schedule {config.schedule!r} needs microbatches divisible by pp={config.pp}, got {config.microbatches}"
+        )
+    microbatch = split_batch(sample, config.microbatches)[0]
+    try:
+        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module))
+    except ShardwiseError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
+        raise ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch "
+                         f"(pipeline stages are laid out from one forward of it): {exc}") from exc
+    layout = layout_stages(module, plan, config, program)
+    split(program, layout.stage_of, layout.num_stages)  # values flowing against the stage order are refused now
+    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout)
+
+
+def _fake_mode_of(module: nn.Module) -> Any:
+    """The fake-tensor mode a deferred module was recorded in (so its forward runs without data)."""
+    for tensor in module.parameters():
+        if is_deferred(tensor):
+            return tensor.fake_mode
+    return None
