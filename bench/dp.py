@@ -79,7 +79,7 @@ def main() -> None:
     mib = 1 << 20
     ring = 2 * (n - 1) / n
     print(f"all-reduced per step: shardwise {res['sw_bytes'] / mib:.3f} MiB in {res['sw_calls']} collective(s) "
-          f"(gradients + unused-mask/loss tail); DDP {res['ddp_bytes'] / mib:.3f} MiB in {res['ddp_buckets']} collective(s)")
+          f"(gradients + the replica summary: unused mask, loss); DDP {res['ddp_bytes'] / mib:.3f} MiB in {res['ddp_buckets']} collective(s)")
     print(f"parameter bytes {res['param_bytes'] / mib:.3f} MiB (theoretical minimum payload); shardwise/params = "
           f"{res['sw_bytes'] / res['param_bytes']:.4f}, DDP/params = {res['ddp_bytes'] / res['param_bytes']:.4f}")
     print(f"ring all-reduce sends 2(n-1)/n x payload per rank: shardwise {ring * res['sw_bytes'] / mib:.3f} MiB, "

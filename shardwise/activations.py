@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from .batch import loss_of
 from .plan.stages import candidate_units, layer_list
 from .random_state import without_trace
-from .tensors import tensor_leaves
+from .tensors import local, storage_id, tensor_leaves
 
 OUTSIDE = "(outside any unit)"
 
@@ -51,8 +52,8 @@ class ActivationMemory:
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage holding `tensor`'s data on this rank (a DTensor's local shard)."""
     while True:
-        if hasattr(tensor, "_local_tensor"):
-            tensor = tensor._local_tensor
+        if isinstance(tensor, DTensor):
+            tensor = local(tensor)
         elif hasattr(tensor, "elem") and isinstance(tensor.elem, torch.Tensor):  # an async collective's result
             tensor = tensor.elem
         else:
@@ -76,9 +77,9 @@ class _Creations(TorchDispatchMode):
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 storage = _storage(leaf)
-                if storage is not None and storage._cdata not in self.existing and storage._cdata not in self.created:
+                if storage is not None and storage_id(storage) not in self.existing and storage_id(storage) not in self.created:
                     unit = self.units[-1] if self.units else OUTSIDE
-                    self.created[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), unit)
+                    self.created[storage_id(storage)] = (StorageWeakRef(storage), storage.nbytes(), unit)
         return out
 
     def alive(self) -> dict[str, int]:
@@ -99,7 +100,7 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
     blocks = layer_list(module)
     params, grads = pmodel.held_tensors()
     gathered = [b.param_buffer for b in pmodel.gradients.buckets]  # ZeRO-3's whole buffers
-    existing = {s._cdata for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)]
+    existing = {storage_id(s) for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)]
                 if t is not None and (s := _storage(t)) is not None}
     creations = _Creations(existing)
     ran: list[str] = []

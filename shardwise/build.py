@@ -25,14 +25,15 @@ from .batch import split_batch
 from .comm import broadcast_rng_state
 from .config import SCHEDULES, ParallelConfig
 from .coordination import Fingerprint, fingerprint_of, world_coordinator
-from .deferred import check_materializable, is_deferred, materializer
+from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
 from .parallel.data import apply_data_parallel
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.stage_program import capture_module, split
-from .parallel.tensor import apply_tensor_parallel, tensor_parallel_rules
+from .parallel.tensor import apply_tensor_parallel
+from .parallel.tensor_rules import tensor_parallel_rules
 from .parallel.zero import OptimizerParams
 from .parallel.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
@@ -149,10 +150,10 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     if layout is not None:
         index.tied = tied_across_ranks(module, layout)
         index.stage_of_key = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages
-    materialize = materializer(module, resolved, topology)  # deferred init: each rank's shards only
+    sharded_values = materialize(module, resolved, topology)  # deferred init: each rank's shards only
     if topology.size("pp", "cp", "tp") > 1:  # random ops agree inside a replica
         broadcast_rng_state(topology.group("pp", "cp", "tp"), topology.device)
-    tensor_parallel = apply_tensor_parallel(module, topology, resolved, materialize) if topology.sizes["tp"] > 1 \
+    tensor_parallel = apply_tensor_parallel(module, topology, resolved, sharded_values) if topology.sizes["tp"] > 1 \
         else None
     module.to(topology.device)
     recomputed = apply_recompute(module, config, resolved, tensor_parallel)
@@ -163,10 +164,11 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                             functools.partial(forward_context, tensor_parallel, module))
     fp32_values = apply_mixed_precision(module, config)
     units = zero3_units(module) if config.zero == 3 else None
-    gradients = apply_data_parallel(module, topology, config, tensor_parallel, index.tied, units,
+    partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
+    gradients = apply_data_parallel(module, topology, config, partial_over_tp, index.tied, units,
                                     _stages_of_rank(layout, topology.pp_rank))
     param_shards = ParameterShards(module, gradients, units) if config.zero == 3 else None
-    optimizer_params = OptimizerParams(module, gradients, topology, config.zero, fp32_values,
+    optimizer_params = OptimizerParams(module, gradients, topology, fp32_values,
                                        _first_holders(module, index.tied or {}, topology.pp_rank))
     return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
                           pipeline=pipeline, gradients=gradients, param_shards=param_shards,

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CommunicationError
+from .tensors import op_name
 
 
 
@@ -91,9 +92,9 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor turn the op into collectives, which come back here
         name, slot = None, 0
         if func.namespace in ("_c10d_functional", "c10d_functional"):
-            name = self._NAMES.get(func._opname)
+            name = self._NAMES.get(op_name(func))
         elif self.c10d and func.namespace == "c10d":
-            name, slot = self._C10D.get(func._opname, (None, 0))
+            name, slot = self._C10D.get(op_name(func), (None, 0))
         if name is not None:
             tensors = args[slot]
             while isinstance(tensors, (list, tuple)) and tensors and isinstance(tensors[0], (list, tuple)):

@@ -36,18 +36,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import ModelError
-from .tensors import shard_of
+from .tensors import op_name, shard_of, storage_id
 
 _ATTR = "_shardwise_deferred"
 
 
 def _key(t: torch.Tensor) -> tuple:
     """A tensor's identity as a value: its storage and geometry (views of one storage differ)."""
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (storage_id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_id(t.untyped_storage())
 
 
 def is_deferred(t: Any) -> bool:
@@ -93,86 +93,98 @@ class DeferredInit:
     done: bool = field(default=False, repr=False)  # replayed (materialized) already
 
     def replay(self, finals: dict[tuple, list[str]], cut: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run the record on CPU; return `cut(name, full)` for every name in `finals`.
+        """Run the record on CPU; return `cut(name, full)` for every name in `finals` (recorded
+        tensor key -> the names it is known by)."""
+        replay = _Replay(self.ops, finals, cut)
+        values = replay.run()
+        self.peak_bytes, self.materialized_bytes = replay.peak_bytes, replay.kept_bytes
+        return values
 
-        A storage is real only while its contents matter: it is freed after its last use
-        (parameters are cut to their shard first), and also whenever the next op on it
-        overwrites it whole (`normal_`, `zero_`, `copy_`, ...), to be allocated afresh there.
-        So a parameter built in `__init__` and re-initialized at the end costs nothing between.
-        """
-        uses: dict[int, list[tuple[int, tuple]]] = {}
-        created_at: dict[tuple, int] = {}
-        for i, (_, args, kwargs, out, _) in enumerate(self.ops):
+
+class _Replay:
+    """One run of a record on real tensors.
+
+    A storage is real only while its contents matter: it is freed after its last use
+    (parameters are cut to their shard first), and also whenever the next op on it
+    overwrites it whole (`normal_`, `zero_`, `copy_`, ...), to be allocated afresh there.
+    So a parameter built in `__init__` and re-initialized at the end costs nothing between.
+    """
+
+    def __init__(self, ops: list, finals: dict[tuple, list[str]], cut: Callable[[str, torch.Tensor], torch.Tensor]):
+        self.ops, self.finals, self.cut = ops, finals, cut
+        self.uses: dict[int, list[tuple[int, tuple]]] = {}  # storage -> (op index, key) of each use
+        self.created_at: dict[tuple, int] = {}  # key -> the op that made it
+        for i, (_, args, kwargs, out, _) in enumerate(ops):
             for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
                 if is_deferred(t):
-                    uses.setdefault(_storage(t), []).append((i, _key(t)))
+                    self.uses.setdefault(_storage(t), []).append((i, _key(t)))
             for t in tree_flatten(out)[0]:
                 if is_deferred(t):
-                    created_at.setdefault(_key(t), i)
-        targets = [_overwrite_target(func, args) for func, args, *_ in self.ops]
-        final_storages = {k[0] for k in finals}
-        real: dict[tuple, torch.Tensor] = {}
-        by_storage: dict[int, list[tuple]] = {}
-        values: dict[str, torch.Tensor] = {}
-        alive = 0
+                    self.created_at.setdefault(_key(t), i)
+        self.targets = [_overwrite_target(func, args) for func, args, *_ in ops]
+        self.final_storages = {k[0] for k in finals}
+        self.real: dict[tuple, torch.Tensor] = {}  # recorded key -> its real tensor, while alive
+        self.by_storage: dict[int, list[tuple]] = {}
+        self.values: dict[str, torch.Tensor] = {}  # name -> kept (cut) tensor
+        self.alive = self.peak_bytes = self.kept_bytes = 0
 
-        def register(key: tuple, tensor: torch.Tensor) -> None:
-            nonlocal alive
-            if key[0] not in by_storage:
-                alive += tensor.untyped_storage().nbytes()
-            real[key] = tensor
-            by_storage.setdefault(key[0], []).append(key)
-
-        def release(storage: int, finalize: bool) -> None:
-            nonlocal alive
-            keys = by_storage.pop(storage, [])
-            for key in keys if finalize and storage in final_storages else ():
-                names = finals.get(key, [])
-                if names:  # tied names share one tensor
-                    kept = cut(names[0], real[key])
-                    self.materialized_bytes += kept.numel() * kept.element_size()
-                    values.update(dict.fromkeys(names, kept))
-            if keys:
-                alive -= real[keys[0]].untyped_storage().nbytes()
-            for key in keys:
-                real.pop(key)
-
-        def overwritten_next(storage: int, j: int) -> bool:
-            """Op j overwrites the storage whole and nothing after it uses an older view."""
-            target = targets[j]
-            if target is None or _storage(target) != storage:
-                return False
-            fresh = _key(target)
-            return all(key == fresh or created_at.get(key, -1) > j for i, key in uses[storage] if i > j)
-
+    def run(self) -> dict[str, torch.Tensor]:
         saved = torch.get_rng_state()
         try:
-            for i, (func, args, kwargs, out, rng_state) in enumerate(self.ops):
-                if rng_state is not None:
-                    torch.set_rng_state(rng_state)
-                target = targets[i]
-                if target is not None and _key(target) not in real:
-                    register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype,
-                                                           device=target.device))
-
-                def to_real(x):
-                    return real[_key(x)] if is_deferred(x) else x
-                with torch.no_grad(), no_dispatch():
-                    result = func(*tree_map(to_real, args), **tree_map(to_real, kwargs))
-                for meta, made in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
-                    if is_deferred(meta) and _key(meta) not in real:
-                        register(_key(meta), made)
-                self.peak_bytes = max(self.peak_bytes, alive + self.materialized_bytes)
-                for storage in {_storage(t) for t in tree_flatten((args, kwargs, out))[0]
-                                if is_deferred(t)}:
-                    later = [u for u, _ in uses[storage] if u > i]
-                    if not later:
-                        release(storage, finalize=True)
-                    elif overwritten_next(storage, later[0]):
-                        release(storage, finalize=False)
+            for i, op in enumerate(self.ops):
+                self.step(i, *op)
         finally:
             torch.set_rng_state(saved)
-        return values
+        return self.values
+
+    def step(self, i: int, func: Any, args: tuple, kwargs: dict, out: Any, rng_state: torch.Tensor | None) -> None:
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        target = self.targets[i]
+        if target is not None and _key(target) not in self.real:
+            self.register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype,
+                                                            device=target.device))
+        to_real = lambda x: self.real[_key(x)] if is_deferred(x) else x  # noqa: E731
+        with torch.no_grad(), no_dispatch():
+            result = func(*tree_map(to_real, args), **tree_map(to_real, kwargs))
+        for recorded, made in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+            if is_deferred(recorded) and _key(recorded) not in self.real:
+                self.register(_key(recorded), made)
+        self.peak_bytes = max(self.peak_bytes, self.alive + self.kept_bytes)
+        for storage in {_storage(t) for t in tree_flatten((args, kwargs, out))[0] if is_deferred(t)}:
+            later = [u for u, _ in self.uses[storage] if u > i]
+            if not later:
+                self.release(storage, finalize=True)
+            elif self.overwritten_at(storage, later[0]):
+                self.release(storage, finalize=False)
+
+    def register(self, key: tuple, tensor: torch.Tensor) -> None:
+        if key[0] not in self.by_storage:
+            self.alive += tensor.untyped_storage().nbytes()
+        self.real[key] = tensor
+        self.by_storage.setdefault(key[0], []).append(key)
+
+    def release(self, storage: int, finalize: bool) -> None:
+        """Free a storage's real tensors; `finalize`: its last use, so final tensors are kept (cut)."""
+        keys = self.by_storage.pop(storage, [])
+        for key in keys if finalize and storage in self.final_storages else ():
+            names = self.finals.get(key, [])
+            if names:  # tied names share one tensor
+                kept = self.cut(names[0], self.real[key])
+                self.kept_bytes += kept.numel() * kept.element_size()
+                self.values.update(dict.fromkeys(names, kept))
+        if keys:
+            self.alive -= self.real[keys[0]].untyped_storage().nbytes()
+        for key in keys:
+            self.real.pop(key)
+
+    def overwritten_at(self, storage: int, j: int) -> bool:
+        """Op j overwrites the storage whole and nothing after it uses an older view."""
+        target = self.targets[j]
+        if target is None or _storage(target) != storage:
+            return False
+        fresh = _key(target)
+        return all(key == fresh or self.created_at.get(key, -1) > j for i, key in self.uses[storage] if i > j)
 
 
 _OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_",
@@ -181,7 +193,7 @@ _OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_
 
 def _overwrite_target(func: Any, args: tuple) -> torch.Tensor | None:
     """The recorded tensor an op fills whole without reading its old values, if any."""
-    if func._opname not in _OVERWRITES or not args:
+    if op_name(func) not in _OVERWRITES or not args:
         return None
     t = args[0]
     if not (is_deferred(t) and t.storage_offset() == 0):
@@ -230,7 +242,7 @@ def check_materializable(module: nn.Module) -> None:
                          "build a new one with sw.deferred_init for each parallelize")
 
 
-def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
+def materialize(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
     """Materialize a deferred module on this rank: replicated tensors in place, sharded ones
     returned by the callback for tensor parallelism to wrap. None for an ordinary module."""
     check_materializable(module)
@@ -253,14 +265,14 @@ def materializer(module: nn.Module, resolved, topology) -> Callable[[str, Placem
     made: dict[int, nn.Parameter] = {}
     for path, mod in module.named_modules():
         prefix = f"{path}." if path else ""
-        for leaf, param in list(mod._parameters.items()):
-            if param is None or not is_deferred(param) or prefix + leaf in sharded:
+        for leaf, param in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+            if not is_deferred(param) or prefix + leaf in sharded:
                 continue  # tensor parallelism takes sharded ones through the callback
             if id(param) not in made:
                 made[id(param)] = nn.Parameter(values[prefix + leaf], requires_grad=param.requires_grad)
-            mod._parameters[leaf] = made[id(param)]
-        for leaf, buffer in list(mod._buffers.items()):
-            if buffer is not None and is_deferred(buffer):
-                mod._buffers[leaf] = values[prefix + leaf]
+            setattr(mod, leaf, made[id(param)])
+        for leaf, buffer in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
+            if is_deferred(buffer):
+                setattr(mod, leaf, values[prefix + leaf])
     record.done = True
     return lambda name, placement: values[name]

@@ -1,13 +1,14 @@
 """`build_optimizer`: any torch optimizer, made aware of the ParallelModule it updates.
 
-The returned object is an instance of the requested optimizer class (a subclass built on
-the fly), so learning-rate schedulers, `state_dict()` and user code that checks types keep
-working. `step()` first completes any pending gradient synchronization; `zero_grad()`
+The returned object is an instance of the requested optimizer class (constructed as a
+subclass of it with `ParallelOptimizer` mixed in), so learning-rate schedulers,
+`state_dict()` and user code that checks types keep working. `step()` first completes any pending gradient synchronization; `zero_grad()`
 zeroes the gradient buckets in place; `clip_grad_norm()` clips by the global norm.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,9 @@ class ParallelOptimizer:
     rank's shard of them (ZeRO), or float32 master copies (mixed precision).
     """
 
-    _pmodel: ParallelModule
+    def __init__(self, params: Any, *args: Any, pmodel: ParallelModule, **kwargs: Any) -> None:
+        self._pmodel = pmodel
+        super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         pmodel = self._pmodel
@@ -82,8 +85,8 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
                     **kwargs: Any) -> torch.optim.Optimizer:
     """An optimizer over `pmodel`'s parameters, e.g. `build_optimizer(pm, torch.optim.AdamW, lr=3e-4)`.
 
-    `optimizer_class` is an optimizer class or a factory taking the parameters first.
-    Pass `params=[{"params": [...], "lr": ...}, ...]` for parameter groups; they must be
+    `optimizer_class` is a `torch.optim.Optimizer` subclass, or `functools.partial` of one
+    (its bound arguments are kept). Pass `params=[{"params": [...], "lr": ...}, ...]` for parameter groups; they must be
     parameters of `pmodel`.
     """
     if not isinstance(pmodel, ParallelModule):
@@ -99,15 +102,18 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
         _check_params_belong(pmodel, params)
     groups = [g if isinstance(g, dict) else {"params": [g]} for g in params] if params and isinstance(params[0], dict) \
         else [{"params": list(params)}]
-    optimizer = optimizer_class(pmodel.optimizer_params.param_groups(groups), **kwargs)
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    base, bound_args, bound_kwargs = optimizer_class, (), {}
+    if isinstance(optimizer_class, functools.partial):
+        base, bound_args, bound_kwargs = optimizer_class.func, optimizer_class.args, optimizer_class.keywords
+    if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
         raise ShardwiseError(
-            f"{getattr(optimizer_class, '__name__', optimizer_class)!r} returned {type(optimizer).__name__}, "
-            "not a torch.optim.Optimizer"
+            f"build_optimizer: {getattr(base, '__name__', base)!r} is not a torch.optim.Optimizer subclass; pass the "
+            "optimizer class and its arguments (sw.build_optimizer(pm, torch.optim.AdamW, lr=3e-4)), or "
+            "functools.partial(OptimizerClass, ...) for bound arguments"
         )
-    base = type(optimizer)
-    optimizer.__class__ = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
-    optimizer._pmodel = pmodel
+    parallel_class = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
+    optimizer = parallel_class(pmodel.optimizer_params.param_groups(groups), *bound_args, pmodel=pmodel,
+                               **{**bound_kwargs, **kwargs})
     pmodel.optimizers.append(optimizer)
     return optimizer
 

@@ -78,12 +78,12 @@ def _gather_stages(pmodel: "ParallelModule", own: dict[str, torch.Tensor], keys:
     for stage in range(pipeline.layout.num_stages):  # each stage's owner sends what it has
         owner = pipeline.owner(stage)
         mine = [k for k in keys if pmodel.index.stage_of_key[k] == stage and k in own]
-        box = [[(k, tuple(own[k].shape), own[k].dtype) for k in mine]] if owner == topology.rank else [None]
-        dist.broadcast_object_list(box, src=owner, group=pipeline.group)
+        received = [[(k, tuple(own[k].shape), own[k].dtype) for k in mine]] if owner == topology.rank else [None]
+        dist.broadcast_object_list(received, src=owner, group=pipeline.group)
         tensors = [own[k] if owner == topology.rank else torch.empty(shape, dtype=dtype, device=topology.device)
-                   for k, shape, dtype in box[0]]
+                   for k, shape, dtype in received[0]]
         broadcast_tensors(tensors, pipeline.group, 64 << 20, src=owner)
-        found.update(zip((k for k, _, _ in box[0]), tensors))
+        found.update(zip((k for k, _, _ in received[0]), tensors))
     return {k: found[k] for k in keys if k in found}
 
 

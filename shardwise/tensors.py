@@ -21,6 +21,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """An identity for a storage, equal for every tensor viewing it (torch has no public one:
+    `data_ptr()` repeats for empty and fake storages)."""
+    return storage._cdata
+
+
+def op_name(func: Any) -> str:
+    """An aten operator's name without namespace or overload ("add" for aten.add.Tensor)."""
+    return func.overloadpacket.__name__.split(".")[-1]
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and any(not isinstance(p, Replicate) for p in tensor.placements)
 

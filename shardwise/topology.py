@@ -91,6 +91,13 @@ def rank_coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     return {d: coords[d] for d in MESH_DIMS}
 
 
+def _coordinate(dim: str) -> property:
+    """A read-only `Topology` property: this rank's coordinate along `dim`."""
+    def get(topology: "Topology") -> int:
+        return topology.coordinates[dim]
+    return property(get, doc=f"This rank's coordinate along {dim}.")
+
+
 class Topology:
     """This rank's place in the (pp, dp, cp, tp) grid, its groups and the DeviceMesh.
 
@@ -119,21 +126,10 @@ class Topology:
         self.coordinator = Coordinator(control, self.config.timeout_s)
 
     # coordinates -------------------------------------------------------------------
-    @property
-    def pp_rank(self) -> int:
-        return self.coordinates["pp"]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coordinates["dp"]
-
-    @property
-    def cp_rank(self) -> int:
-        return self.coordinates["cp"]
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coordinates["tp"]
+    pp_rank = _coordinate("pp")
+    dp_rank = _coordinate("dp")
+    cp_rank = _coordinate("cp")
+    tp_rank = _coordinate("tp")
 
     def size(self, *dims: str) -> int:
         """Number of ranks in this rank's group spanning `dims`."""

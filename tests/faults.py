@@ -74,7 +74,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "tied-not-summed":  # a tied embedding's gradient not summed across pipeline stages
         build.tied_across_ranks = lambda *args, **kwargs: {}
     elif name == "dropout-per-shard":  # each sequence shard draws its own dropout mask
-        tensor._sharded_dropout = lambda mod, x, *, tp, dim: F.dropout(x, mod.p, mod.training)
+        tensor.ShardedDropout.forward = lambda mod, x: F.dropout(x, mod.p, mod.training)
     elif name == "replica-weight-ignored":  # replicas weighted equally whatever their sample counts
         original = module.ParallelModule.agree_on_batch
 

@@ -10,6 +10,7 @@ a rank down (a rank raising, exiting, sleeping) have a world each.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -201,7 +202,32 @@ PLANS = {
                                       "applies to LlamaForCausalLM modules, but GPT contains none"),
     "divide_by_tp not an int": Case(plan_on_gpt({"divide_by_tp": ["layers.*.attn.dropout"]}), "PlanError",
                                     "must be an integer divisible by tp=2"),
+    "linear subclass with its own forward": Case(lambda: sw.parallelize(
+        _with_scaled_fc1(make_gpt(0)), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.mlp.fc1.weight": "Shard(0)"}}),
+        "PlanError", "no tensor-parallel rule for ScaledLinear"),
+    "root module tensor-parallel": Case(lambda: sw.parallelize(nn.Linear(4, 4), sw.ParallelConfig(tp=2),
+                                                               plan={"params": {"weight": "Shard(0)"}}),
+                                        "PlanError", "the root module (Linear) itself is tensor-parallel"),
 }
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear whose forward computes something else: a tp rule would silently drop the scale."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+def _with_scaled_fc1(model: nn.Module) -> nn.Module:
+    fc1 = model.layers[0].mlp.fc1
+    scaled = ScaledLinear(fc1.in_features, fc1.out_features)
+    model.layers[0].mlp.fc1 = scaled
+    return model
+
+
+def _partial_sgd() -> tuple[bool, float, float]:
+    opt = sw.build_optimizer(sw.parallelize(Tuple()), functools.partial(torch.optim.SGD, momentum=0.9), lr=0.1)
+    return isinstance(opt, torch.optim.SGD), opt.param_groups[0]["momentum"], opt.param_groups[0]["lr"]
 
 
 class NoParams(nn.Module):
@@ -282,6 +308,10 @@ MODELS = {
                                    lr=0.1), "ShardwiseError", "is not a parameter of the ParallelModule"),
     "optimizer factory returning junk": Case(lambda: sw.build_optimizer(sw.parallelize(Tuple()), lambda p, **k: 3),
                                              "ShardwiseError", "not a torch.optim.Optimizer"),
+    "optimizer as a lambda": Case(lambda: sw.build_optimizer(sw.parallelize(Tuple()),
+                                                             lambda p, **k: torch.optim.SGD(p, **k), lr=0.1),
+                                  "ShardwiseError", "functools.partial(OptimizerClass, ...)"),
+    "optimizer as functools.partial": Case(lambda: _partial_sgd(), None, check=lambda v: v == (True, 0.9, 0.1)),
     "state dict missing key": Case(lambda: sw.parallelize(Tuple()).load_full_state_dict({"lin.weight": torch.zeros(1, 4)}),
                                    "CheckpointError", "missing keys ['lin.bias']"),
     "state dict wrong shape": Case(lambda: sw.parallelize(Tuple()).load_full_state_dict(

@@ -46,7 +46,7 @@ def _memory(zero: int):
     index, count = sw.data_parallel_info(pm)
     pm.train_step(replica_slice(gpt_batches(1, 8)[0], index, count))
     opt.step()
-    padding = sum((b.padded - sum(b.sizes) + b.tail_size) * 4 for b in pm.gradients.buckets)
+    padding = sum((b.padded - sum(b.sizes) + b.summary_slots) * 4 for b in pm.gradients.buckets)
     return pm.memory(), sum(p.numel() for p in pm.module.parameters()), padding, pm.summary()
 
 

@@ -38,7 +38,7 @@ def _regions(pmodel, piece) -> list[tuple]:
     """(global rect, start, stop, local rect, sub-rect) for each part of a piece."""
     param = piece.param
     placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
-    local_shape = tuple(param._local_tensor.shape if isinstance(param, DTensor) else param.shape)
+    local_shape = tuple(local(param).shape)
     out = []
     for rect, a, b in flat_rects(local_shape, piece.start, piece.end):
         for g, sub in local_to_global(rect, placement, pmodel.topology.tp_rank, pmodel.topology.sizes["tp"],
@@ -259,7 +259,7 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> Non
 def _like(master: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """Optimizer state shaped like `master`: a DTensor with its layout if the master is one."""
     if isinstance(master, DTensor):
-        return DTensor.from_local(flat.view(master._local_tensor.shape), master.device_mesh, master.placements,
+        return DTensor.from_local(flat.view(local(master).shape), master.device_mesh, master.placements,
                                   run_check=False, shape=master.shape, stride=master.stride())
     return flat.view(master.shape)
 

@@ -19,7 +19,7 @@ from ..tensors import local
 class ReduceGroup:
     """Where a parameter's gradient is summed, and the factor applied first.
 
-    `uniform`: every member holds the same parameters in the same order (data- and
+    `same_params_on_members`: every member holds the same parameters in the same order (data- and
     tensor-parallel peers do; pipeline ranks sharing a tied parameter do not), so
     per-parameter flags can ride along in this group's buckets.
     """
@@ -27,12 +27,42 @@ class ReduceGroup:
     group: dist.ProcessGroup
     scale: float
     label: str
-    uniform: bool = True
-    spans_tp: bool = False  # its members include every tensor-parallel rank of a parameter
+    same_params_on_members: bool = True
+    includes_tp_peers: bool = False  # its members include every tensor-parallel rank of a parameter
 
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """What ZeRO stage `stage` shards over the replicas, as the storages a `Bucket` keeps.
+
+    0: nothing; gradients all-reduced in a kept buffer.
+    1: optimizer state: gradients reduce-scattered in place, the buffer kept, and the
+       parameters moved into a flat `param_buffer` laid out like the gradients.
+    2: + gradients: reduced into a separate shard; the buffer lives only during backward.
+    3: + parameters: only `param_shard` is kept; `param_buffer` is gathered for each use.
+    """
+
+    stage: int = 0
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def params_flat(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def grad_buffer_kept(self) -> bool:
+        return self.stage < 2
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.stage == 3
 
 
 def as_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
@@ -46,20 +76,20 @@ def as_grad(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
 class Bucket:
     """A flat gradient buffer for a run of parameters, reduced by one collective.
 
-    Under ZeRO (`sharded`) the buffer is padded to a multiple of the group size and this
-    rank owns one contiguous shard of it: stage 1 reduce-scatters in place and keeps the
-    buffer; stage 2+ reduce-scatters into a separate shard and frees the buffer until the
-    next backward. `tail` spare slots (stage 0 only) carry the unused mask and the loss.
+    Under ZeRO (`zero.grads_sharded`) the buffer is padded to a multiple of the group size
+    and this rank owns one contiguous shard of it; which storages exist is `zero`'s to say.
 
-    Storages: `buffer` (gradients, flat; `views` are the parameters' slices of it), `shard`
-    (ZeRO-2+: this rank's reduced gradients), and under ZeRO the parameters' own storage laid
-    out like the gradients, so a gradient shard and its parameter shard cover the same range:
-    `param_buffer` (every parameter, flat; ZeRO-3 frees it between uses) and `param_shard`
-    (ZeRO-3: this rank's part, the only copy kept between uses).
+    Storages: `buffer` = [gradients | padding | summary slots]: `views` are the parameters'
+    slices of it, `summary` the `summary_slots` values (a `ReplicaSummary`) that ride in
+    the last bucket's collective; `shard` (ZeRO-2+: this rank's reduced gradients); and
+    under ZeRO the parameters' own storage laid out like the gradients, so a gradient shard
+    and its parameter shard cover the same range: `param_buffer` (every parameter, flat;
+    ZeRO-3 frees it between uses) and `param_shard` (ZeRO-3: this rank's part, the only
+    copy kept between uses).
     """
 
     def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, dtype: torch.dtype,
-                 sharded: bool, keep_buffer: bool, tail: int = 0):
+                 zero: ZeroStage, summary_slots: int = 0):
         self.index = index
         self.params = params
         self.reduce = reduce
@@ -69,36 +99,38 @@ class Bucket:
         self.sizes = [local(p).numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         numel = sum(self.sizes)
-        ways = reduce.size if sharded else 1
+        self.zero = zero
+        self.sharded = zero.grads_sharded
+        ways = reduce.size if self.sharded else 1
         self.padded = -(-numel // ways) * ways
         self.shard_size = self.padded // ways
-        self.shard_start = (dist.get_rank(reduce.group) if sharded else 0) * self.shard_size
-        self.sharded = sharded
-        self.tail_size = tail
-        self.main_grad = any(local(p).dtype != dtype for p in params)  # grads cast into the buffer
-        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device) if sharded and not keep_buffer else None
+        self.shard_start = (dist.get_rank(reduce.group) if self.sharded else 0) * self.shard_size
+        self.summary_slots = summary_slots
+        self.casts_grads = any(local(p).dtype != dtype for p in params)  # grads cast into the buffer
+        self.shard = None if zero.grad_buffer_kept else torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        self.tail = torch.empty(0)
+        self.summary = torch.empty(0)
         self.param_buffer: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
-        if keep_buffer:
+        if zero.grad_buffer_kept:
             self.allocate()
         self.pending = len(params)
         self.work: dist.Work | None = None
 
     def allocate(self) -> None:
         if self.buffer is None:
-            self.buffer = torch.zeros(self.padded + self.tail_size, dtype=self.dtype, device=self.device)
+            self.buffer = torch.zeros(self.padded + self.summary_slots, dtype=self.dtype, device=self.device)
             self.views = [self.buffer[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self.sizes, self.shapes)]
-            self.tail = self.buffer[self.padded:]
+            self.summary = self.buffer[self.padded:]
 
     def release(self) -> None:
-        self.buffer, self.views = None, []
+        """Free the gradient buffer (ZeRO-2+, after the reduce-scatter)."""
+        self.buffer, self.views, self.summary = None, [], torch.empty(0)
 
     @property
     def grads(self) -> torch.Tensor:
-        """The gradient region of the buffer (padding included, tail excluded)."""
+        """The gradient region of the buffer (padding included, summary slots excluded)."""
         return self.buffer[: self.padded]
 
     @property
@@ -110,7 +142,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return (self.padded + self.tail_size) * torch.empty((), dtype=self.dtype).element_size()
+        return (self.padded + self.summary_slots) * torch.empty((), dtype=self.dtype).element_size()
 
     @torch.no_grad()
     def flatten_params(self) -> None:
@@ -143,3 +175,34 @@ class Bucket:
     def param_range(self, lo: int, hi: int) -> torch.Tensor:
         """The parameters' values at buffer positions [lo, hi), inside this rank's shard."""
         return self.own_params[lo - self.shard_start: hi - self.shard_start]
+
+
+class ReplicaSummary:
+    """What the replicas average alongside one step's gradients: per parameter, whether this
+    replica produced a gradient (the mean is zero only where no replica did: those end the
+    step with `grad = None`, as on one process, so optimizers skip them), and the step's loss.
+
+    `slots` values, packed pre-divided by the group size so the collective's sum is the
+    mean. They ride in the last bucket's `summary` slots when that bucket is float32 and
+    reduced over exactly the replicas (no extra collective); otherwise in an all-reduce of
+    their own.
+    """
+
+    def __init__(self, num_params: int):
+        self.num_params = num_params
+        self.slots = num_params + 1
+        self.loss: torch.Tensor | None = None  # this replica's, staged for the step
+
+    def pack(self, used: list[bool], group_size: int, device: torch.device) -> torch.Tensor:
+        values = torch.zeros(self.slots, device=device)
+        values[: self.num_params] = torch.tensor(used, dtype=torch.float32)
+        if self.loss is not None:
+            values[self.num_params] = self.loss
+        return values.div_(group_size)
+
+    def used_anywhere(self, reduced: torch.Tensor) -> list[bool]:
+        return [value != 0 for value in reduced[: self.num_params].tolist()]
+
+    def mean_loss(self, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced[self.num_params].clone()
+

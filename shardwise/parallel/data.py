@@ -16,12 +16,12 @@ mean over dp) — one collective, in the same pass, instead of re-reducing the p
 gradient each time an optimizer reads it. DTensor parameters are reduced through their
 local shards.
 
-The last bucket to launch carries a tail: one slot per parameter saying whether this
-replica produced a gradient for it, and the step's scalars (the loss). Averaged with the
-gradients, the tail tells every rank which parameters no replica used — those end the step
-with `grad = None`, exactly as on one process, so optimizers skip them — and gives the mean
-loss over replicas, at no extra collective. (When the last bucket is not float32 the tail
-travels in a small collective of its own.)
+A `ReplicaSummary` is averaged with the gradients: per parameter, whether this replica
+produced a gradient, and the step's loss. It tells every rank which parameters no replica
+used — those end the step with `grad = None`, exactly as on one process, so optimizers skip
+them — and gives the mean loss over replicas. It rides in the last bucket's declared summary
+slots at no extra collective (in a small all-reduce of its own when that bucket cannot
+carry it: not float32, sharded, or reduced over more than the replicas).
 
 Why not torch's DistributedDataParallel: the same pass must reduce-scatter (ZeRO-1/2) and
 sum tensor-parallel partial gradients, and DDP owns its buckets; DDP also makes unused
@@ -44,11 +44,9 @@ from ..config import ParallelConfig
 from ..errors import ShardwiseError
 from ..topology import Topology
 from ..tensors import local
-from .buckets import Bucket, ReduceGroup, as_grad
-from .tensor import TensorParallel
+from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
 
 MiB = 1 << 20
-SCALAR_SLOTS = 1  # step scalars carried in the tail (the loss)
 
 
 class GradientBuckets:
@@ -59,12 +57,12 @@ class GradientBuckets:
     """
 
     def __init__(self, params: list[nn.Parameter], reduce_of: list[ReduceGroup], bucket_bytes: int,
-                 replicas: ReduceGroup, zero: int = 0, reduce_dtype: torch.dtype | None = None,
+                 replicas: ReduceGroup, zero: ZeroStage = ZeroStage(), reduce_dtype: torch.dtype | None = None,
                  apart: dict[int, tuple] | None = None):
         if not params:
             raise ShardwiseError("no trainable parameters to synchronize")
         self.params = params
-        self.replicas = replicas  # where the unused-parameter mask and step scalars are averaged
+        self.replicas = replicas  # where the ReplicaSummary is averaged
         self.zero = zero
         self.stats = CommStats()
         self.pre_hooks: list = []  # called on each bucket's gradients before its collective
@@ -83,12 +81,12 @@ class GradientBuckets:
         runs = list(coalesce(synced, bucket_bytes,
                              key=lambda pr: (dtype(pr[0]), local(pr[0]).device, pr[1], apart.get(id(pr[0]))),
                              nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
-        tail = len(params) + SCALAR_SLOTS
-        self._tail_in_bucket = (bool(runs) and zero == 0 and dtype(runs[-1][0][0]) == torch.float32
-                                and runs[-1][0][1].uniform)
+        self.summary = ReplicaSummary(len(params))
+        self._summary_in_bucket = (bool(runs) and not zero.grads_sharded and dtype(runs[-1][0][0]) == torch.float32
+                                   and runs[-1][0][1].same_params_on_members)
         self.buckets = [
-            Bucket(i, [p for p, _ in run], run[0][1], dtype(run[0][0]), sharded=zero > 0, keep_buffer=zero < 2,
-                   tail=tail if self._tail_in_bucket and i == len(runs) - 1 else 0)
+            Bucket(i, [p for p, _ in run], run[0][1], dtype(run[0][0]), zero,
+                   summary_slots=self.summary.slots if self._summary_in_bucket and i == len(runs) - 1 else 0)
             for i, run in enumerate(runs)
         ]
         self._index = {p: i for i, p in enumerate(params)}
@@ -106,18 +104,18 @@ class GradientBuckets:
         self._dirty = False  # gradients accumulated since the last sync
         self._callback_queued = False
         self._hold_last = False  # the last bucket waits for finish() (pipeline schedules)
-        self._scalars: torch.Tensor | None = None
+        self.summary.loss = None
         # this replica's share relative to an equal one (n_replica * replicas / n_total): 1.0
         # unless train_step's replicas hold different numbers of samples
         self.replica_weight = 1.0
-        self._side: torch.Tensor | None = None
-        self._side_work: dist.Work | None = None
+        self._summary_alone: torch.Tensor | None = None  # the summary, when it has its own collective
+        self._summary_work: dist.Work | None = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.work = None
 
     # backward ----------------------------------------------------------------------
-    def _absorb(self, param: nn.Parameter, bucket: Bucket, i: int) -> None:
+    def _move_grad_into_bucket(self, param: nn.Parameter, bucket: Bucket, i: int) -> None:
         """Move `param.grad` (if any) into its bucket slot: the first gradient of a window is
         copied, later ones were accumulated in place (or are added, for cast "main" grads)."""
         index = self._index[param]
@@ -125,17 +123,17 @@ class GradientBuckets:
         if param.grad is not None:
             grad = local(param.grad)
             if grad.data_ptr() != view.data_ptr():
-                view.add_(grad) if self._used[index] and bucket.main_grad else view.copy_(grad)
+                view.add_(grad) if self._used[index] and bucket.casts_grads else view.copy_(grad)
             self._used[index] = True
         elif not self._used[index]:
             view.zero_()  # no local gradient (yet): contributes zeros; finish() decides
-        param.grad = None if bucket.main_grad else as_grad(param, view)
+        param.grad = None if bucket.casts_grads else as_grad(param, view)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
         bucket, i = self._slot[param]
         bucket.allocate()
-        self._absorb(param, bucket, i)
+        self._move_grad_into_bucket(param, bucket, i)
         self._dirty = True
         if not self.sync_enabled:
             return
@@ -153,7 +151,7 @@ class GradientBuckets:
 
     def _launch_full(self) -> None:
         """Launch, in order, the buckets whose gradients are all final (inside a pipeline
-        schedule, all but the last: it carries the loss, known when the schedule ends)."""
+        schedule, all but the last: its summary carries the loss, known when the schedule ends)."""
         end = len(self.buckets) - (1 if self._hold_last else 0)
         while self._next < end and self.buckets[self._next].pending == 0:
             self._launch(self.buckets[self._next])
@@ -165,13 +163,13 @@ class GradientBuckets:
         """The gradients of `params` are final for this step though backward is running
         without sync (a pipeline stage's last backward is done, some may have had no
         gradient): launch, in order, every bucket whose parameters are all final. The last
-        bucket waits for `finish()`, which stages the step's scalars first."""
+        bucket waits for `finish()`, which stages the step's loss first."""
         for param in params:
             if param not in self._slot or self._ready[self._index[param]]:
                 continue
             bucket, i = self._slot[param]
             bucket.allocate()
-            self._absorb(param, bucket, i)
+            self._move_grad_into_bucket(param, bucket, i)
             self._ready[self._index[param]] = True
             bucket.pending -= 1
         self._hold_last = True
@@ -191,62 +189,49 @@ class GradientBuckets:
 
     @property
     def pending(self) -> bool:
-        """Gradients accumulated (or scalars staged) since the last synchronization."""
-        return self._dirty or self._scalars is not None
+        """Gradients accumulated (or a loss staged) since the last synchronization."""
+        return self._dirty or self.summary.loss is not None
 
-    def stage_scalars(self, scalars: torch.Tensor) -> None:
-        """Scalars (at most SCALAR_SLOTS) to average with this step's gradients.
-
-        Call before the step's last backward; `finish()` returns their mean over replicas.
-        """
-        scalars = scalars.detach().reshape(-1).float()
-        if scalars.numel() > SCALAR_SLOTS:
-            raise ShardwiseError(f"at most {SCALAR_SLOTS} step scalars can be averaged, got {scalars.numel()}")
-        self._scalars = scalars
-
-    def _side_values(self, size: int) -> torch.Tensor:
-        """Mask and scalars, pre-divided by the group size so the sum is their mean."""
-        side = torch.zeros(len(self.params) + SCALAR_SLOTS, device=self.buckets[-1].device)
-        side[: len(self.params)] = torch.tensor(self._used, dtype=torch.float32)
-        if self._scalars is not None:
-            side[len(self.params): len(self.params) + self._scalars.numel()] = self._scalars
-        return side.div_(size)
+    def stage_loss(self, loss: torch.Tensor) -> None:
+        """This replica's loss, averaged with this step's gradients (see `ReplicaSummary`).
+        Call before the step's last backward; `finish()` returns the mean over replicas."""
+        self.summary.loss = loss.detach().reshape(()).float()
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.allocate()
         if bucket.pending:  # parameters no hook reported in this backward
             for i, param in enumerate(bucket.params):
                 if not self._ready[self._index[param]]:
-                    self._absorb(param, bucket, i)
+                    self._move_grad_into_bucket(param, bucket, i)
         reduce = bucket.reduce
         for hook in self.pre_hooks:
             hook(bucket.grads)
         bucket.buffer.mul_(reduce.scale * self.replica_weight)
-        if bucket.tail.numel():  # the last bucket: mask and scalars ride along
-            bucket.tail.copy_(self._side_values(reduce.size))
+        if bucket.summary_slots:
+            bucket.summary.copy_(self.summary.pack(self._used, reduce.size, bucket.device))
         if bucket.sharded:
             self.stats.record("reduce_scatter", bucket.grads)
             bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
         else:
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
-        if bucket is self.buckets[-1] and not self._tail_in_bucket and self.replicas.size > 1:
-            self._side = self._side_values(self.replicas.size)
-            self.stats.record("all_reduce", self._side)
-            self._side_work = dist.all_reduce(self._side, group=self.replicas.group, async_op=True)
+        if bucket is self.buckets[-1] and not self._summary_in_bucket and self.replicas.size > 1:
+            self._summary_alone = self.summary.pack(self._used, self.replicas.size, bucket.device)
+            self.stats.record("all_reduce", self._summary_alone)
+            self._summary_work = dist.all_reduce(self._summary_alone, group=self.replicas.group, async_op=True)
         self._next = bucket.index + 1
 
     def finish(self) -> torch.Tensor | None:
         """Complete synchronization: launch what is left, wait once, settle unused params.
 
-        Returns the mean over replicas of the scalars staged with `stage_scalars`, if any.
+        Returns the mean loss over replicas staged with `stage_loss`, if one was.
         """
         if not self.pending:
             return None
         if not self.buckets:  # nothing to reduce: gradients are already final
-            scalars = self._scalars
+            loss = self.summary.loss
             self._reset_window()
-            return scalars
+            return loss
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
         for bucket in self.buckets:
@@ -255,26 +240,25 @@ class GradientBuckets:
                  self.coordinator)
             for hook in self.post_hooks:
                 hook(bucket.grad_shard if bucket.sharded else bucket.grads)
-        wait(self._side_work, "all-reduce of the unused-parameter mask and step scalars", self.replicas.group,
+        wait(self._summary_work, "all-reduce of the unused-parameter mask and the loss", self.replicas.group,
              self.coordinator)
-        n = len(self.params)
-        side = self.buckets[-1].tail if self._tail_in_bucket else self._side
+        reduced = self.buckets[-1].summary if self._summary_in_bucket else self._summary_alone
         self.unused = set()
         self.has_grads = True
         if not all(self._used[self._index[p]] for p in self._slot):
-            used_anywhere = self._used if side is None else side[:n].tolist()
+            used_anywhere = self._used if reduced is None else self.summary.used_anywhere(reduced)
             self.unused = {id(p) for p in self._slot if not used_anywhere[self._index[p]]}
         for param, (bucket, _) in self._slot.items():
             if bucket.sharded or id(param) in self.unused:  # ZeRO: gradients live in the shards
                 param.grad = None
-        if self.zero >= 2:
+        if not self.zero.grad_buffer_kept:
             for bucket in self.buckets:
                 bucket.release()
-        scalars = self._scalars
-        if scalars is not None and side is not None:
-            scalars = side[n: n + scalars.numel()].clone()
+        loss = self.summary.loss
+        if loss is not None and reduced is not None:
+            loss = self.summary.mean_loss(reduced)
         self._reset_window()
-        return scalars
+        return loss
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """Parameter id -> its whole reduced gradient (local shard of a DTensor), gathered from
@@ -305,7 +289,7 @@ class GradientBuckets:
         """Accumulate without communicating inside this block."""
         return self._switched_off("sync_enabled")
 
-    def manual_finish(self) -> contextlib.AbstractContextManager:
+    def _manual_finish(self) -> contextlib.AbstractContextManager:
         """Within this block the caller calls `finish()` itself."""
         return self._switched_off("auto_finish")
 
@@ -314,7 +298,7 @@ class GradientBuckets:
         """One training step's gradient accumulation (see `StepGradients`); `replica_weight`
         is this replica's share relative to an equal one."""
         self.replica_weight = replica_weight
-        with self.manual_finish():
+        with self._manual_finish():
             yield StepGradients(self)
 
     @torch.no_grad()
@@ -336,7 +320,7 @@ class GradientBuckets:
                 if bucket.buffer is not None:
                     bucket.buffer.zero_()
                 for param, view in zip(bucket.params, bucket.views):
-                    if not bucket.main_grad and not bucket.sharded:
+                    if not bucket.casts_grads and not bucket.sharded:
                         param.grad = as_grad(param, view)
 
     def describe(self) -> list[str]:
@@ -344,7 +328,7 @@ class GradientBuckets:
             f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB "
             f"{str(b.dtype).replace('torch.', '')} over {b.reduce.label}"
             + (f", {'reduce-scattered' if b.sharded else ''} shard {b.shard_size} elements" if b.sharded else "")
-            + (f" (incl. {b.tail_size}-slot mask/loss tail)" if b.tail_size else "")
+            + (f" (incl. {b.summary_slots} summary slots: unused mask, loss)" if b.summary_slots else "")
             for b in self.buckets
         ]
 
@@ -376,7 +360,7 @@ class StepGradients:
     def loss(self, local_mean: torch.Tensor) -> None:
         """This replica's mean loss; call before the backward that reduces."""
         if self.syncing:
-            self.buckets.stage_scalars(local_mean * self.buckets.replica_weight)
+            self.buckets.stage_loss(local_mean * self.buckets.replica_weight)
 
     @contextlib.contextmanager
     def pipelined(self) -> Iterator[GradientSync | None]:
@@ -389,59 +373,72 @@ class StepGradients:
         """Complete the reduction; the mean loss over replicas (this replica's without sync)."""
         if not self.syncing:
             return local_mean
-        return self.buckets.finish()[0]
+        return self.buckets.finish()
 
 
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
-                        tensor_parallel: TensorParallel | None = None,
+                        partial_over_tp: set[int] | None = None,
                         tied: dict[str, list[int]] | None = None,
                         units: list[str] | None = None,
                         stages: dict[str, int] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
-    gradients are averaged over the data-parallel (and context-parallel) ranks. Gradients
-    partial over tensor-parallel ranks are summed over them in the same pass, and those of a
-    parameter held by several pipeline ranks (`tied`: name -> pp ranks) over those ranks.
-    Buckets never span two of `units` (ZeRO-3) or two pipeline stages (`stages`: the module
-    paths this rank runs -> their stage).
+    gradients are averaged over the data-parallel (and context-parallel) ranks.
+
+    Args:
+        module: the model after tensor parallelism, on its device.
+        topology: the groups; `config`: bucket size, ZeRO stage, reduce dtype.
+        partial_over_tp: ids of replicated parameters whose gradients are partial over tp
+            (summed over tp in the same collective).
+        tied: parameter name -> the pipeline ranks holding it (summed over those ranks).
+        units: ZeRO-3's gather units; `stages`: this rank's module paths -> pipeline stage.
+            A bucket never spans two of either.
+    Returns:
+        The gradient executor, its buckets laid out and hooked to the parameters.
     """
-    dp_dims = ("dp", "cp")
-    scale = 1.0 / topology.size(*dp_dims)
-    dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", spans_tp=topology.sizes["tp"] == 1)
-    partial = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
-    tied = tied or {}
-    tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
-
-    def reduce_group(param: nn.Parameter) -> ReduceGroup:
-        dims = dp_dims + (("tp",) if id(param) in partial else ())
-        stages = tied_ids.get(id(param))
-        spans_tp = "tp" in dims or topology.sizes["tp"] == 1
-        if stages is None:
-            return ReduceGroup(topology.group(*dims), scale, "dp+tp (partial over tp)", spans_tp=True) \
-                if "tp" in dims else dp
-        ranks = [r for pp_rank in stages for r in topology.ranks_at(dims, pp=pp_rank)]
-        return ReduceGroup(topology.group_of(ranks), scale, f"dp + pipeline ranks {stages} (tied)", uniform=False,
-                           spans_tp=spans_tp)
-
     params = [p for p in module.parameters() if p.requires_grad]
-    groups = [reduce_group(p) for p in params]
-    bucket_bytes = int(config.bucket_mb * MiB)
-    def labels(paths: dict[str, int]) -> dict[int, int]:
-        label: dict[int, int] = {}
-        for path, value in paths.items():
-            for param in module.get_submodule(path).parameters():
-                label.setdefault(id(param), value)
-        return label
-
-    unit_of = labels({path: i for i, path in enumerate(units or [])})
-    stage_of = labels(stages or {})
+    dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {})
+    unit_of = _owner_labels(module, {path: i for i, path in enumerate(units or [])})
+    stage_of = _owner_labels(module, stages or {})
     apart = {id(p): (stage_of.get(id(p)), unit_of.get(id(p))) for p in params}
-    buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=config.zero,
+    bucket_bytes = int(config.bucket_mb * MiB)
+    buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=ZeroStage(config.zero),
                               reduce_dtype=config.reduce_dtype or config.param_dtype, apart=apart)
     buckets.coordinator = topology.coordinator
     state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
-    for group in dict.fromkeys(g for p, g in zip(params, groups) if id(p) in tied_ids):  # tied copies start equal
+    for group in dict.fromkeys(g for g in groups if not g.same_params_on_members):  # tied copies start equal
         broadcast_tensors([local(p).data for p, g in zip(params, groups) if g == group], group.group, bucket_bytes)
     return buckets
+
+
+def _reduce_groups(module: nn.Module, topology: Topology, params: list[nn.Parameter], partial: set[int],
+                   tied: dict[str, list[int]]) -> tuple[ReduceGroup, list[ReduceGroup]]:
+    """The replicas' group, and each parameter's: the replicas (mean); with tp too for a
+    gradient partial over tp (sum over tp); with the other pipeline ranks for a tied one."""
+    dp_dims = ("dp", "cp")
+    scale = 1.0 / topology.size(*dp_dims)
+    dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", includes_tp_peers=topology.sizes["tp"] == 1)
+    tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
+
+    def group_of(param: nn.Parameter) -> ReduceGroup:
+        dims = dp_dims + (("tp",) if id(param) in partial else ())
+        holders = tied_ids.get(id(param))
+        if holders is None:
+            return ReduceGroup(topology.group(*dims), scale, "dp+tp (partial over tp)", includes_tp_peers=True) \
+                if "tp" in dims else dp
+        ranks = [r for pp_rank in holders for r in topology.ranks_at(dims, pp=pp_rank)]
+        return ReduceGroup(topology.group_of(ranks), scale, f"dp + pipeline ranks {holders} (tied)", same_params_on_members=False,
+                           includes_tp_peers="tp" in dims or topology.sizes["tp"] == 1)
+
+    return dp, [group_of(p) for p in params]
+
+
+def _owner_labels(module: nn.Module, label_of_path: dict[str, int]) -> dict[int, int]:
+    """Parameter id -> the label of the first listed module path holding it."""
+    label: dict[int, int] = {}
+    for path, value in label_of_path.items():
+        for param in module.get_submodule(path).parameters():
+            label.setdefault(id(param), value)
+    return label

@@ -63,11 +63,11 @@ class PipelineStats:
     alive: dict[int, int] = field(default_factory=dict)
     peak_alive: dict[int, int] = field(default_factory=dict)
 
-    def enter(self, stage: int) -> None:
+    def forward_done(self, stage: int) -> None:
         self.alive[stage] = self.alive.get(stage, 0) + 1
         self.peak_alive[stage] = max(self.peak_alive.get(stage, 0), self.alive[stage])
 
-    def leave(self, stage: int) -> None:
+    def backward_done(self, stage: int) -> None:
         self.alive[stage] -= 1
 
 
@@ -114,7 +114,7 @@ class RandomSchedule:
                 draw(self.recipes[index], self.device)
         self.final = rng_state(self.device)
 
-    def enter(self, index: int, microbatch: int) -> None:
+    def restore(self, index: int, microbatch: int) -> None:
         set_rng_state(self.states[(index, microbatch)], self.device)
 
     def finish(self) -> None:
@@ -135,7 +135,7 @@ class ScheduledStage(StageModule):
 
     def before_step(self, index: int) -> None:
         if self.random is not None and index in self.random.recipes:
-            self.random.enter(index, self.calls)
+            self.random.restore(index, self.calls)
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         pipeline = self._pipeline[0]
@@ -146,8 +146,8 @@ class ScheduledStage(StageModule):
             out = loss_of(out) if self.loss_only else _leaves_for_merge(out)
         first = next((t for t in tensor_leaves(out) if t.requires_grad), None)
         if first is not None and torch.is_grad_enabled():
-            pipeline.stats.enter(self.part.stage)
-            first.register_hook(lambda grad: pipeline.stats.leave(self.part.stage))
+            pipeline.stats.forward_done(self.part.stage)
+            first.register_hook(lambda grad: pipeline.stats.backward_done(self.part.stage))
         return out
 
 
@@ -272,10 +272,10 @@ class Pipeline:
             dist.send(t.detach().contiguous(), dst=dst, group=self.group)
 
     def _recv(self, src: int) -> list[torch.Tensor]:
-        box = [None]
-        dist.recv_object_list(box, src=src, group=self.group)
+        received = [None]
+        dist.recv_object_list(received, src=src, group=self.group)
         tensors = []
-        for shape, dtype, requires_grad in box[0]:
+        for shape, dtype, requires_grad in received[0]:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, src=src, group=self.group)
             tensors.append(t.requires_grad_(requires_grad))
@@ -382,9 +382,9 @@ class Pipeline:
         last_owner = self.owner(self.layout.num_stages - 1)
         if self.topology.rank == last_owner:
             result = _rebuild(compiled.program, merged if isinstance(merged, (tuple, list)) else (merged,))
-        box = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
-        dist.broadcast_object_list(box, src=last_owner, group=self.group)
-        return map_tensors(box[0], lambda t: t.to(self.device))
+        received = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
+        dist.broadcast_object_list(received, src=last_owner, group=self.group)
+        return map_tensors(received[0], lambda t: t.to(self.device))
 
     def _infer_sequentially(self, batch: Any) -> Any:
         """A batch the microbatch count does not divide: one pass through the stages in order."""
@@ -393,9 +393,9 @@ class Pipeline:
         last = self.layout.num_stages - 1
         last_owner = self.owner(last)
         result = _rebuild(program, _leaves_for_merge(examples[last][1])) if last in examples else None
-        box = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
-        dist.broadcast_object_list(box, src=last_owner, group=self.group)
-        return map_tensors(box[0], lambda t: t.to(self.device))
+        received = [map_tensors(result, lambda t: t.cpu()) if result is not None else None]
+        dist.broadcast_object_list(received, src=last_owner, group=self.group)
+        return map_tensors(received[0], lambda t: t.to(self.device))
 
 
 def _leaves_for_merge(output: Any) -> tuple[torch.Tensor, ...]:
@@ -437,11 +437,11 @@ def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dic
         if stage in mine:
             continue
         for mod in module.get_submodule(path).modules():
-            for name, param in list(mod._parameters.items()):
-                if param is not None and id(param) not in kept:
-                    mod._parameters[name] = None
-            for name in list(mod._buffers):
-                mod._buffers[name] = None
+            for name, param in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+                if id(param) not in kept:
+                    setattr(mod, name, None)  # stays registered, as None: this rank never runs it
+            for name, _ in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
+                setattr(mod, name, None)
     return stage_of_key
 
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..batch import loss_of
 from ..errors import ModelError
-from ..tensors import is_kv_cache, tensor_leaves
+from ..tensors import is_kv_cache, op_name, tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class _Builder:
     def on_op(self, func, args, kwargs, out) -> None:
         if self.depth:
             return
-        if func._opname == "_local_scalar_dense":
+        if op_name(func) == "_local_scalar_dense":
             raise ModelError("the forward reads a tensor's value into Python (.item(), a data-dependent branch); "
                              "pipeline stages replay the forward's operations and cannot follow that")
         self.record(func, None, args, kwargs, out)
@@ -302,24 +302,7 @@ def split(program: Program, stage_of_unit: dict[str, int], num_stages: int) -> l
     other value is made once, at home, and passed down the pipeline to the stages using it.
     """
     steps = program.steps
-    home_of_value: dict[int, int] = {v: -1 for v in program.inputs}
-    home: dict[int, int] = {}
-    next_unit = num_stages - 1
-    for step in reversed(steps):
-        if step.unit is not None:
-            next_unit = stage_of_unit[step.unit]
-        home[step.index] = next_unit  # provisional: only random glue keeps it
-    for step in steps:
-        inputs = _input_values(step)
-        if step.unit is not None:
-            where = stage_of_unit[step.unit]
-        else:
-            where = max([home_of_value[v] for v in inputs], default=-1)
-            if step.random:
-                where = max(where, home[step.index])
-        home[step.index] = where
-        for value in step.outputs:
-            home_of_value[value] = where
+    home = _step_homes(program, stage_of_unit, num_stages)
     runs_at: dict[int, set[int]] = {step.index: set() for step in steps}
     needed_at: dict[int, set[int]] = {}
 
@@ -339,7 +322,7 @@ def split(program: Program, stage_of_unit: dict[str, int], num_stages: int) -> l
         if where > stage:
             step = steps[producer]
             raise ModelError(f"pipeline stage {stage} uses a value computed by "
-                             f"{step.unit or step.func._opname!r} on stage {where}: stages must follow the forward's "
+                             f"{step.unit or op_name(step.func)!r} on stage {where}: stages must follow the forward's "
                              "order; move the stage boundary")
         run(producer, stage if where == -1 else where)
 
@@ -361,6 +344,28 @@ def split(program: Program, stage_of_unit: dict[str, int], num_stages: int) -> l
         part.sends.sort()
         part.receives.sort()
     return parts
+
+
+def _step_homes(program: Program, stage_of_unit: dict[str, int], num_stages: int) -> dict[int, int]:
+    """Step index -> its home stage (-1: glue depending on the batch alone); see `split`."""
+    home_of_value: dict[int, int] = {v: -1 for v in program.inputs}
+    home: dict[int, int] = {}
+    next_unit = num_stages - 1
+    for step in reversed(program.steps):
+        if step.unit is not None:
+            next_unit = stage_of_unit[step.unit]
+        home[step.index] = next_unit  # provisional: only random glue keeps it
+    for step in program.steps:
+        if step.unit is not None:
+            where = stage_of_unit[step.unit]
+        else:
+            where = max([home_of_value[v] for v in _input_values(step)], default=-1)
+            if step.random:
+                where = max(where, home[step.index])
+        home[step.index] = where
+        for value in step.outputs:
+            home_of_value[value] = where
+    return home
 
 
 def _input_values(step: Step) -> list[int]:

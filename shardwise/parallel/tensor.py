@@ -1,17 +1,9 @@
-"""Tensor and sequence parallelism driven by a resolved Plan.
+"""Tensor and sequence parallelism driven by a resolved Plan: the executor.
 
 Parameters the plan shards become DTensors on the tp mesh (so state dicts, checkpoints,
-optimizers and norms see their global shape and placement); a module holding one is a
-tensor-parallel module and must be of a type with a rule here: `nn.Linear`, `nn.Embedding`
-or Hugging Face's `Conv1D`. Its forward is replaced by a rule that computes on the local
-shards and moves activations with explicit collectives (`collectives.py`):
-
-- column-parallel (weight sharded on the output features): input made replicated with a
-  partial gradient (`enter_parallel`), output stays sharded on the last dim;
-- row-parallel (sharded on input features): output partial, reduced to the plan's output
-  placement (all-reduce, or reduce-scatter along the sequence for sequence parallelism),
-  bias added after the reduction;
-- vocab-parallel embedding (rows sharded): out-of-range ids masked, output partial.
+optimizers and norms see their global shape and placement); a module holding one must
+have a rule in `tensor_rules.py` and is replaced by a `TensorParallelModule` computing on
+the local shards. `TensorParallel` holds what the rules share within one forward.
 
 Why not DTensor dispatch for the compute (as torch's `parallelize_module` does): its
 sharding propagation picks collectives by cost, so under sequence parallelism a linear may
@@ -24,7 +16,8 @@ Activation keys: `X.input` declares the placement of the tensors arriving at X (
 what X's rule needs); `X.output` asks for X's output to be redistributed to a placement. A
 module whose declared input is sharded along a data dim (e.g. a norm under sequence
 parallelism) runs on shards: its replicated parameters get partial gradients, summed over
-tp in the gradient buckets, and a Dropout there draws the mask one process would draw.
+tp in the gradient buckets, and a Dropout there becomes a `ShardedDropout`, drawing the
+mask one process would draw.
 """
 
 from __future__ import annotations
@@ -32,32 +25,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import broadcast_tensors
 from ..deferred import is_deferred
 from ..errors import PlanError
-from ..plan.plan import Conversion, placement_str, shard_dim
+from ..plan.plan import Conversion, placement_str
 from ..plan.resolve import ResolvedPlan
-from ..tensors import is_sharded, local
+from ..tensors import is_sharded, local, storage_id
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
 from .tensor_check import checked_forward
-
-
-def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+from .tensor_rules import (ShardedDropout, TensorParallelModule, column, feature_embedding, replace_module, row,
+                           tensor_parallel_rules)
 
 
 class TensorParallel:
@@ -73,7 +59,7 @@ class TensorParallel:
         self.sharded_modules: dict[str, str] = {}  # module path -> rule name
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
         self.first_forward_checked = False
-        self._entered: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entered = WeakIdKeyDictionary()  # a tensor read by column-parallel modules -> {placement: entered}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
         self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
         self._flow = None  # the first forward's FeatureFlow while it runs
@@ -132,24 +118,24 @@ class TensorParallel:
         src, dst = conversion.src, conversion.dst
         if not (isinstance(src, Shard) and isinstance(dst, Replicate)):
             return redistribute(x, src, dst, self.group)
-        y = self.enter(x, src)
-        self._entered_storages.add(y.untyped_storage()._cdata)
+        y = self.parallel_input(x, src)
+        self._entered_storages.add(storage_id(y.untyped_storage()))
         if self._flow is not None:
             self._flow.mark_gathered(y, path)
         return y
 
-    def enter(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
+    def parallel_input(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
         """`enter_parallel`, shared by every module that reads `x` in this forward."""
-        if isinstance(src, Replicate) and x.untyped_storage()._cdata in self._entered_storages:
+        if isinstance(src, Replicate) and storage_id(x.untyped_storage()) in self._entered_storages:
             return x  # gathered by an input conversion, its backward already the reduce-scatter
-        key = (id(x), str(src))
-        hit = self._entered.get(key)
-        if hit is None or hit[0] is not x:
-            hit = self._entered[key] = (x, enter_parallel(x, src, self.group))
-            if isinstance(src, Shard) and hit[1] is not x:
+        by_placement = self._entered.setdefault(x, {})
+        entered = by_placement.get(str(src))
+        if entered is None:
+            entered = by_placement[str(src)] = enter_parallel(x, src, self.group)
+            if isinstance(src, Shard) and entered is not x:
                 gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
-                self._gathered[hit[1].untyped_storage()._cdata] = gathered
-        return hit[1]
+                self._gathered[storage_id(entered.untyped_storage())] = gathered
+        return entered
 
     def end_forward(self) -> None:
         self._entered.clear()
@@ -180,13 +166,13 @@ class TensorParallel:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        gathered = self._gathered.get(tensor.untyped_storage()._cdata) if type(tensor) is torch.Tensor else None
+        gathered = self._gathered.get(storage_id(tensor.untyped_storage())) if type(tensor) is torch.Tensor else None
         if gathered is None:
             return tensor
         gathered.pending += 1
         return gathered, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
 
-    def leave(self, y: torch.Tensor, path: str, natural: Placement) -> torch.Tensor:
+    def module_output(self, y: torch.Tensor, path: str, natural: Placement) -> torch.Tensor:
         default = Replicate() if isinstance(natural, Partial) else natural
         dst = self.output_placement(path, default)
         y = redistribute(y, natural, dst, self.group)
@@ -218,142 +204,44 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed[0].unpack(*packed[1:]) if isinstance(packed, tuple) else packed
 
 
-# -- rules: local compute of tensor-parallel modules -----------------------------------
-def _column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    x = tp.enter(x, tp.input_placement(path, Replicate()))
-    weight, bias = _shard(module.weight), _shard(module.bias)
-    with tp.keeping_shards():
-        if _is_conv1d(module):
-            flat = x.reshape(-1, x.shape[-1])
-            y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
-            y = y.view(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, weight, bias)
-    return tp.leave(y, path, Shard(-1))
-
-
-def _row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
-    weight = _shard(module.weight)
-    tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
-    try:
-        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
-    finally:
-        tp.computing_partial = False
-    y = tp.leave(y, path, Partial())
-    return y if module.bias is None else y + _shard(module.bias)
-
-
-def _vocab_embedding(module: nn.Embedding, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
-    weight = _shard(module.weight)
-    start = tp.rank * weight.shape[0]
-    outside = (ids < start) | (ids >= start + weight.shape[0])
-    pad = module.padding_idx
-    pad = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
-    out = F.embedding((ids - start).masked_fill(outside, 0), weight, pad, None, 2.0, module.scale_grad_by_freq, module.sparse)
-    return tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0), path, Partial())
-
-
-def _feature_embedding(module: nn.Embedding, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
-    out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
-    return tp.leave(out, path, Shard(-1))
-
-
-def _sharded_dropout(module: nn.Dropout, x: torch.Tensor, *, tp: TensorParallel, dim: int) -> torch.Tensor:
-    """Dropout on a shard, with the mask one process draws for the whole tensor."""
-    if not module.training or module.p == 0.0:
-        return x
-    full = list(x.shape)
-    full[dim] *= tp.size
-    mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), module.p, True)
-    return x * mask.chunk(tp.size, dim)[tp.rank]
-
-
-def _has_rule(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.Embedding)) or _is_conv1d(module)
-
-
-def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
-    """The rule for a module with sharded parameters, and its parameters' full placements."""
-    weight = placements.get("weight", Replicate())
-    bias = placements.get("bias")
-    kind = type(module).__name__
-    if isinstance(module, nn.Linear) or _is_conv1d(module):
-        out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
-        strided = isinstance(weight, _StridedShard)
-        if shard_dim(weight) == out_dim:
-            rule, expected = _column, _StridedShard(0, split_factor=weight.split_factor) if strided else Shard(0)
-        elif shard_dim(weight) == 1 - out_dim and not strided:
-            rule, expected = _row, Replicate()
-        else:
-            raise PlanError(
-                f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
-                f"{1 - out_dim} (row), got {placement_str(weight)}"
-            )
-        if module.bias is not None:
-            if bias is not None and bias != expected:
-                raise PlanError(
-                    f"{path}.bias must be {placement_str(expected)} to match {path}.weight "
-                    f"{placement_str(weight)} ({rule.__name__.strip('_')}-parallel), got {placement_str(bias)}"
-                )
-            placements["bias"] = expected
-        return rule
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None:
-            raise PlanError(f"{path}: tensor-parallel nn.Embedding does not support max_norm")
-        if weight == Shard(0):
-            return _vocab_embedding
-        if weight == Shard(1):
-            return _feature_embedding
-        raise PlanError(f"{path}.weight: an Embedding shards rows (Shard(0)) or columns (Shard(1)), got {placement_str(weight)}")
-    raise PlanError(
-        f"{path} ({kind}) has sharded parameters but shardwise has no tensor-parallel rule for {kind}; "
-        "shard nn.Linear, nn.Embedding or transformers Conv1D modules, or leave its parameters replicated"
-    )
-
-
-def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str, tuple[Any, dict[str, Placement]]]:
-    """Module path -> (rule, full placements of its parameters), for every module whose
-    parameters the plan shards. Pure: raises `PlanError` before anything communicates."""
-    modules = dict(module.named_modules())
-    owned: dict[str, dict[str, Placement]] = {}
-    for name, placement in resolved.params.items():
-        path, _, leaf = name.rpartition(".")
-        owned.setdefault(path, {})[leaf] = placement
-    ruled = {path for path, placements in owned.items()
-             if any(not isinstance(p, Replicate) for p in placements.values()) and _has_rule(modules[path])}
-    computed_by_rule = {id(p) for path in ruled for p in modules[path].parameters(recurse=False)}
-    rules = {}
-    for path, placements in owned.items():
-        mod = modules[path]
-        sharded = {leaf for leaf, p in placements.items() if not isinstance(p, Replicate) and getattr(mod, leaf) is not None}
-        if not sharded or (path not in ruled and all(id(getattr(mod, leaf)) in computed_by_rule for leaf in sharded)):
-            continue  # replicated, or a tied copy of a parameter a rule module computes with
-        placements = dict(placements)
-        rules[path] = (_rule(path, mod, placements), placements)
-    return rules
-
-
 def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: ResolvedPlan,
-                          materialize=None) -> TensorParallel:
-    """Shard `module`'s parameters and install the rules and activation hooks of `resolved`.
+                          materialize: Callable[[str, Placement], torch.Tensor] | None = None) -> TensorParallel:
+    """Shard `module`'s parameters, put a `TensorParallelModule` in place of each module the plan
+    shards, and install the plan's activation conversions.
 
-    `materialize(name, placement)` gives the local tensor of a parameter that is still on
-    the meta device (deferred init); otherwise shards are cut from rank tp 0's full values.
+    Args:
+        module: the model (this rank's pipeline stages), materialized or deferred.
+        topology: gives the tp group, mesh and rank.
+        resolved: the plan resolved on `module`: parameter placements, activation keys,
+            attributes to divide by tp.
+        materialize: `materialize(name, placement)` is the local shard of a parameter still on
+            the meta device (deferred init); otherwise shards are cut from tp rank 0's values.
+    Returns:
+        The executor: per-forward state, and the replicated parameters whose gradients are
+        partial over tp (the gradient buckets sum them).
     """
     tp = TensorParallel(topology, resolved)
-    modules = dict(module.named_modules())
     for path, attr in resolved.divide_by_tp:
-        setattr(modules[path], attr, getattr(modules[path], attr) // tp.size)
+        owner = module.get_submodule(path)
+        setattr(owner, attr, getattr(owner, attr) // tp.size)
+    _install_rules(module, tp, materialize)
+    _install_activation_conversions(module, tp)
+    if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
+        replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
+        broadcast_tensors([t.data for t in replicated], tp.group, 64 << 20)
+    return tp
+
+
+def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> None:
+    """Sharded parameters become DTensors (one per tensor, shared by tied holders) and their
+    modules `TensorParallelModule`s."""
     converted: dict[int, nn.Parameter] = {}
-    for path, (rule, placements) in tensor_parallel_rules(module, resolved).items():
-        mod = modules[path]
+    for path, (rule, placements) in tensor_parallel_rules(module, tp.resolved).items():
+        mod = module.get_submodule(path)
         if not any(True for _ in mod.parameters(recurse=False)):
             continue  # pruned: this pipeline rank never runs it
-        tp.sharded_modules[path] = rule.__name__.strip("_")
-        if rule in (_column, _feature_embedding):
+        tp.sharded_modules[path] = rule.__name__
+        if rule in (column, feature_embedding):
             weight = placements.get("weight")
             tp.column_blocks[path] = weight.split_factor if isinstance(weight, _StridedShard) else 1
         for leaf, param in list(mod.named_parameters(recurse=False)):
@@ -367,41 +255,37 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
                     data = distribute_tensor(param.detach(), tp.mesh, [placement], src_data_rank=0)
                 converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             setattr(mod, leaf, converted[id(param)])
-        mod.forward = functools.partial(rule, mod, tp=tp, path=path)
-        if rule is _row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
+        replace_module(module, mod, TensorParallelModule(mod, rule, tp, path))
+        if rule is row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
             tp.partial_grad_params.add(id(mod.bias))
     for _, mod in module.named_modules():  # tied copies held by modules without a rule
         for leaf, param in list(mod.named_parameters(recurse=False)):
             if id(param) in converted and param is not converted[id(param)]:
                 setattr(mod, leaf, converted[id(param)])
 
-    for path, placements in resolved.inputs.items():
-        if any(t is not None and isinstance(t[0], Conversion) for t in placements):
-            modules[path].register_forward_pre_hook(
-                functools.partial(_convert_inputs, tp=tp, path=path, signature=inspect.signature(modules[path].forward)),
-                with_kwargs=True)
+
+def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> None:
+    """The plan's `X.input` / `X.output` keys as forward hooks; a module declared to take
+    data shards gets partial gradients for its parameters (and a Dropout, the whole mask)."""
+    for path, placements in tp.resolved.inputs.items():
+        mod = module.get_submodule(path)
         first = tp.input_placement(path, Replicate())
-        mod = modules[path]
-        if path in tp.sharded_modules or not isinstance(first, Shard):
-            continue
-        data_dim = first.dim  # this module runs on shards of its data: replicated params get partial grads
-        for param in mod.parameters(recurse=False):
-            tp.partial_grad_params.add(id(param))
-        if isinstance(mod, nn.Dropout):
-            mod.forward = functools.partial(_sharded_dropout, mod, tp=tp, dim=data_dim)
-    for path, placements in resolved.outputs.items():
+        if path not in tp.sharded_modules and isinstance(first, Shard):
+            tp.partial_grad_params.update(id(param) for param in mod.parameters(recurse=False))
+            if isinstance(mod, nn.Dropout) and type(mod).forward is nn.Dropout.forward:
+                replace_module(module, mod, mod := ShardedDropout(mod, tp, first.dim))
+        if any(t is not None and isinstance(t[0], Conversion) for t in placements):
+            mod.register_forward_pre_hook(
+                functools.partial(_convert_inputs, tp=tp, path=path, signature=inspect.signature(mod.forward)),
+                with_kwargs=True)
+    for path, placements in tp.resolved.outputs.items():
         if path in tp.sharded_modules and isinstance(placements[0] and placements[0][0], Conversion):
             raise PlanError(
                 f"activation {path}.output: {placement_str(placements[0][0])} converts the output of tensor-parallel "
                 f"{path}, whose rule knows its own output placement; give only the target, e.g. "
                 f"{placement_str(placements[0][0].dst)!r}")
         if path not in tp.sharded_modules:
-            modules[path].register_forward_hook(functools.partial(_redistribute_output, tp=tp, path=path))
-
-    if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
-        replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
-        broadcast_tensors([t.data for t in replicated], tp.group, 64 << 20)
-    return tp
+            module.get_submodule(path).register_forward_hook(functools.partial(_redistribute_output, tp=tp, path=path))
 
 
 def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,

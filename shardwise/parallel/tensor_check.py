@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import PlanError
-from ..tensors import tensor_leaves
+from ..tensors import op_name, tensor_leaves
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
 
@@ -92,7 +92,7 @@ class FeatureFlow(TorchDispatchMode):
             raise PlanError(
                 f"{where} gathers its input over tp ('Shard -> Replicate' in {where}.input) for column-parallel "
                 f"modules, whose input gradients are partial and summed by one reduce-scatter; but {reader} reads it "
-                f"too ({func._opname}), and its gradient would be summed tp times. Convert the input of the "
+                f"too ({op_name(func)}), and its gradient would be summed tp times. Convert the input of the "
                 f"column-parallel modules themselves, or gather with '{where}.output' of the module before (its "
                 "backward then splits the gradient)"
             )
@@ -112,7 +112,7 @@ class FeatureFlow(TorchDispatchMode):
                 sources = sorted(set().union(*(self.taint[id(t)] for t in inputs)))
                 where = self.modules[-1] if self.modules else "the model's own code"
                 raise PlanError(
-                    f"the first forward under the plan failed in {where} ({func._opname}: {str(exc).splitlines()[0]}). "
+                    f"the first forward under the plan failed in {where} ({op_name(func)}: {str(exc).splitlines()[0]}). "
                     f"Its inputs carry the feature-sharded outputs of column-parallel {sources}: the plan shards "
                     "them without a matching row-parallel module (Shard(1) on the weight of the module that "
                     "consumes their features), or gives a module the wrong placement"
@@ -136,7 +136,7 @@ class FeatureFlow(TorchDispatchMode):
     def _follow_layout(self, func, inputs: list[torch.Tensor], layout: FeatureLayout,
                        outputs: list[torch.Tensor]) -> None:
         source = next(t for t in inputs if self.layout.get(id(t)) == layout)
-        if func._opname in _SPLITS and len(outputs) > 1:
+        if op_name(func) in _SPLITS and len(outputs) > 1:
             dims = {t.dim() for t in outputs}
             split_last = dims == {source.dim()} and all(t.shape[:-1] == source.shape[:-1] for t in outputs)
             if split_last:

@@ -48,14 +48,14 @@ class ParamPiece:
 class OptimizerParams:
     """The optimizer-facing parameters for ZeRO and/or mixed precision."""
 
-    def __init__(self, module: nn.Module, gradients: GradientBuckets, topology: Topology, zero: int,
-                 fp32_values: dict[int, torch.Tensor], tied_first: dict[int, bool]):
+    def __init__(self, module: nn.Module, gradients: GradientBuckets, topology: Topology,
+                 fp32_values: dict[int, torch.Tensor], first_holder: dict[int, bool]):
         self.gradients = gradients
         self.topology = topology
-        self.zero = zero
+        self.zero = zero = gradients.zero
         self.pieces: dict[int, list[ParamPiece]] = {}
         self._loaded = False
-        if zero:  # the model's parameters move into flat buffers (ZeRO-3 has made them already)
+        if zero.params_flat:  # the model's parameters move into flat buffers (ZeRO-3 has made them already)
             for bucket in gradients.buckets:
                 bucket.flatten_params()
         slot = {id(p): (b, i) for b in gradients.buckets for i, p in enumerate(b.params)}
@@ -63,13 +63,13 @@ class OptimizerParams:
             if not param.requires_grad:
                 continue
             replicated_copy = not is_sharded(param) and topology.tp_rank != 0
-            if zero and id(param) in slot:
+            if zero.grads_sharded and id(param) in slot:
                 bucket, i = slot[id(param)]
-                spans_tp = bucket.reduce.spans_tp
+                includes_tp_peers = bucket.reduce.includes_tp_peers
                 self.pieces[id(param)] = list(self._shard_pieces(param, bucket, i, fp32_values.get(id(param)),
-                                                                 counted=spans_tp or not replicated_copy))
+                                                                 counted=includes_tp_peers or not replicated_copy))
             else:
-                counted = not replicated_copy and tied_first.get(id(param), True) and topology.dp_rank == 0 \
+                counted = not replicated_copy and first_holder.get(id(param), True) and topology.dp_rank == 0 \
                     and topology.cp_rank == 0
                 self.pieces[id(param)] = [self._whole_piece(param, slot.get(id(param)), fp32_values.get(id(param)),
                                                             counted)]
@@ -81,7 +81,7 @@ class OptimizerParams:
         if fp32 is None:  # the model's own parameter: nothing to copy
             return ParamPiece(param, param, lambda: param.grad, None, counted, **whole)
         master = fp32.detach().clone()
-        if where is not None and where[0].main_grad:  # reduced into a float32 bucket view
+        if where is not None and where[0].casts_grads:  # reduced into a float32 bucket view
             bucket, i = where
             grad = lambda: bucket.views[i] if self._has_grad(param) and bucket.buffer is not None else None
         else:
@@ -130,11 +130,11 @@ class OptimizerParams:
             for piece in pieces:
                 if piece.write_back is not None:
                     piece.write_back()
-        if self.zero:  # ZeRO-1/2: every buffer; ZeRO-3: those kept whole (outside any unit)
+        if self.zero.params_flat:  # ZeRO-1/2: every buffer; ZeRO-3: those kept whole (outside any unit)
             before_collectives()
             works = []
             for bucket in self.gradients.buckets:
-                if self.zero == 3 and bucket.param_buffer.untyped_storage().nbytes() == 0:
+                if self.zero.params_sharded and bucket.param_buffer.untyped_storage().nbytes() == 0:
                     continue  # released: the next use gathers the updated shard
                 self.gradients.stats.record("all_gather", bucket.param_buffer)
                 works.append((dist.all_gather_single(bucket.param_buffer, bucket.own_params, group=bucket.reduce.group,

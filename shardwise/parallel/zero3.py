@@ -15,8 +15,8 @@ each stage would gather it at a different point of the schedule. Its gradients a
 reduce-scattered and its shard updated at the synchronization every rank reaches together.
 
 Why not FSDP2's `fully_shard`: shardwise's tensor-parallel modules compute on the local
-shards of DTensor parameters and its pipeline stages skip modules by replacing their
-forward; its gradient buckets must also sum sequence-parallel partial gradients over tp and
+shards of DTensor parameters and its pipeline stages run a captured program of the
+model's forward; its gradient buckets must also sum sequence-parallel partial gradients over tp and
 tied embeddings over pipeline ranks in the same pass. Sharding the buckets those executors
 already use keeps one gradient path for every ZeRO stage.
 """
@@ -64,7 +64,7 @@ class ParameterShards:
                 unit.register_forward_hook(lambda m, args, out, path=path: self._after_forward(path, out))
         # Whole, always: buckets outside any unit, and those shared by pipeline stages (a tied
         # embedding): their stages use them at different times, so gathers would not line up.
-        self._kept = [b for b in gradients.buckets if id(b) not in units_of_bucket or not b.reduce.uniform]
+        self._kept = [b for b in gradients.buckets if id(b) not in units_of_bucket or not b.reduce.same_params_on_members]
         self.release_all()
 
     # gather and release -------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""Tensor-parallel modules: the rules by which a module whose parameters the plan shards
+computes on the local shards of its DTensor parameters, moving activations with explicit
+collectives (`collectives.py`):
+
+- column-parallel (weight sharded on the output features): input made replicated with a
+  partial gradient (`TensorParallel.parallel_input`), output stays sharded on the last dim;
+- row-parallel (sharded on input features): output partial, reduced to the plan's output
+  placement (all-reduce, or reduce-scatter along the sequence for sequence parallelism),
+  bias added after the reduction;
+- vocab-parallel embedding (rows sharded): out-of-range ids masked, output partial;
+  feature-parallel embedding (columns sharded): output sharded on the last dim.
+
+A module with a rule (`nn.Linear`, `nn.Embedding`, Hugging Face's `Conv1D`) is replaced in
+the model by a `TensorParallelModule` holding the same parameters, so state-dict keys, tying
+and optimizers are unchanged. `tensor_parallel_rules` is pure: it refuses a plan before
+anything communicates.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..errors import PlanError
+from ..plan.plan import placement_str, shard_dim
+from ..plan.resolve import ResolvedPlan
+from .collectives import redistribute
+
+if TYPE_CHECKING:
+    from .tensor import TensorParallel
+
+
+def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def column(module: TensorParallelModule, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    x = tp.parallel_input(x, tp.input_placement(path, Replicate()))
+    weight, bias = _shard(module.weight), _shard(module.bias)
+    with tp.keeping_shards():
+        if module.conv1d:
+            flat = x.reshape(-1, x.shape[-1])
+            y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, weight, bias)
+    return tp.module_output(y, path, Shard(-1))
+
+
+def row(module: TensorParallelModule, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
+    weight = _shard(module.weight)
+    tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
+    try:
+        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if module.conv1d else F.linear(x, weight)
+    finally:
+        tp.computing_partial = False
+    y = tp.module_output(y, path, Partial())
+    return y if module.bias is None else y + _shard(module.bias)
+
+
+def vocab_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+    weight = _shard(module.weight)
+    start = tp.rank * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
+    out = F.embedding((ids - start).masked_fill(outside, 0), weight, pad, None, 2.0, module.scale_grad_by_freq, module.sparse)
+    return tp.module_output(out.masked_fill(outside.unsqueeze(-1), 0.0), path, Partial())
+
+
+def feature_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+    out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
+    return tp.module_output(out, path, Shard(-1))
+
+
+class TensorParallelModule(nn.Module):
+    """Stands in for an `nn.Linear`, `nn.Embedding` or `Conv1D` whose parameters the plan
+    shards: the same parameter objects (DTensors), computed on their local shards by `rule`."""
+
+    def __init__(self, original: nn.Module, rule: Any, tp: TensorParallel, path: str):
+        super().__init__()
+        self.weight = original.weight
+        self.register_parameter("bias", getattr(original, "bias", None))
+        self.original_type = type(original).__name__
+        self.conv1d = _is_conv1d(original)
+        self.padding_idx = getattr(original, "padding_idx", None)
+        self.scale_grad_by_freq = getattr(original, "scale_grad_by_freq", False)
+        self.sparse = getattr(original, "sparse", False)
+        self.rule, self.tp, self.path = rule, tp, path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rule(self, x, tp=self.tp, path=self.path)
+
+    def extra_repr(self) -> str:
+        return f"{self.original_type} {self.rule.__name__}-parallel, weight {tuple(self.weight.shape)}"
+
+
+class ShardedDropout(nn.Dropout):
+    """Dropout on a tp shard of the data (dim `dim`), with the mask one process draws for the
+    whole tensor (every tp rank draws it with the same generator state)."""
+
+    def __init__(self, original: nn.Dropout, tp: TensorParallel, dim: int):
+        super().__init__(original.p, original.inplace)
+        self.tp, self.dim = tp, dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        full = list(x.shape)
+        full[self.dim] *= self.tp.size
+        mask = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), self.p, True)
+        return x * mask.chunk(self.tp.size, self.dim)[self.tp.rank]
+
+
+def replace_module(root: nn.Module, original: nn.Module, replacement: nn.Module) -> None:
+    """Put `replacement` wherever `original` is a child in `root`'s tree."""
+    for path, mod in list(root.named_modules(remove_duplicate=False)):
+        if mod is original:
+            parent, _, leaf = path.rpartition(".")
+            setattr(root.get_submodule(parent), leaf, replacement)
+
+
+def _has_rule(module: nn.Module) -> bool:
+    """An nn.Linear / nn.Embedding (or a subclass keeping their forward) or a Conv1D: a
+    subclass with its own forward computes something the rule would not."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) \
+        or (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward) or _is_conv1d(module)
+
+
+def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
+    """The rule for a module with sharded parameters, and its parameters' full placements."""
+    weight = placements.get("weight", Replicate())
+    bias = placements.get("bias")
+    kind = type(module).__name__
+    if not _has_rule(module):
+        raise PlanError(
+            f"{path} ({kind}) has sharded parameters but shardwise has no tensor-parallel rule for {kind}; "
+            "shard nn.Linear, nn.Embedding or transformers Conv1D modules (subclasses only if they keep their "
+            "forward), or leave its parameters replicated")
+    if isinstance(module, nn.Linear) or _is_conv1d(module):
+        out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
+        strided = isinstance(weight, _StridedShard)
+        if shard_dim(weight) == out_dim:
+            rule, expected = column, _StridedShard(0, split_factor=weight.split_factor) if strided else Shard(0)
+        elif shard_dim(weight) == 1 - out_dim and not strided:
+            rule, expected = row, Replicate()
+        else:
+            raise PlanError(
+                f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
+                f"{1 - out_dim} (row), got {placement_str(weight)}"
+            )
+        if module.bias is not None:
+            if bias is not None and bias != expected:
+                raise PlanError(
+                    f"{path}.bias must be {placement_str(expected)} to match {path}.weight "
+                    f"{placement_str(weight)} ({rule.__name__}-parallel), got {placement_str(bias)}"
+                )
+            placements["bias"] = expected
+        return rule
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None:
+            raise PlanError(f"{path}: tensor-parallel nn.Embedding does not support max_norm")
+        if weight == Shard(0):
+            return vocab_embedding
+        if weight == Shard(1):
+            return feature_embedding
+        raise PlanError(f"{path}.weight: an Embedding shards rows (Shard(0)) or columns (Shard(1)), got {placement_str(weight)}")
+    raise AssertionError(f"{kind} has a rule but no branch here")  # _has_rule and the branches above agree
+
+
+def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str, tuple[Any, dict[str, Placement]]]:
+    """Module path -> (rule, full placements of its parameters), for every module whose
+    parameters the plan shards. Pure: raises `PlanError` before anything communicates."""
+    modules = dict(module.named_modules())
+    owned: dict[str, dict[str, Placement]] = {}
+    for name, placement in resolved.params.items():
+        path, _, leaf = name.rpartition(".")
+        owned.setdefault(path, {})[leaf] = placement
+    ruled = {path for path, placements in owned.items()
+             if any(not isinstance(p, Replicate) for p in placements.values()) and _has_rule(modules[path])}
+    computed_by_rule = {id(p) for path in ruled for p in modules[path].parameters(recurse=False)}
+    rules = {}
+    for path, placements in owned.items():
+        mod = modules[path]
+        sharded = {leaf for leaf, p in placements.items() if not isinstance(p, Replicate) and getattr(mod, leaf) is not None}
+        if not sharded or (path not in ruled and all(id(getattr(mod, leaf)) in computed_by_rule for leaf in sharded)):
+            continue  # replicated, or a tied copy of a parameter a rule module computes with
+        placements = dict(placements)
+        rules[path] = (_rule(path, mod, placements), placements)
+        if not path:
+            raise PlanError(f"the root module ({type(mod).__name__}) itself is tensor-parallel; shardwise computes it "
+                            "in a module put in its place, so parallelize a module containing it")
+    return rules
