@@ -62,6 +62,9 @@ class TensorParallel:
         self._entered = WeakIdKeyDictionary()  # a tensor read by column-parallel modules -> {placement: entered}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
         self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
+        # the tensors whose storage ids key _gathered and _entered_storages, held until the forward ends so
+        # that no new storage takes one of those ids (a stale hit would add a collective on one rank only)
+        self._keyed_by_storage: list[torch.Tensor] = []
         self._flow = None  # the first forward's FeatureFlow while it runs
         self._replaying: set[str] = set()  # recomputed modules whose inputs are already converted
         self.computing_partial = False  # inside a row-parallel matmul (its output is a partial sum)
@@ -120,6 +123,7 @@ class TensorParallel:
             return redistribute(x, src, dst, self.group)
         y = self.parallel_input(x, src)
         self._entered_storages.add(storage_id(y.untyped_storage()))
+        self._keyed_by_storage.append(y)
         if self._flow is not None:
             self._flow.mark_gathered(y, path)
         return y
@@ -135,12 +139,14 @@ class TensorParallel:
             if isinstance(src, Shard) and entered is not x:
                 gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
                 self._gathered[storage_id(entered.untyped_storage())] = gathered
+                self._keyed_by_storage.append(entered)
         return entered
 
     def end_forward(self) -> None:
         self._entered.clear()
         self._gathered.clear()
         self._entered_storages.clear()
+        self._keyed_by_storage.clear()
 
     @contextlib.contextmanager
     def forward(self, module: nn.Module) -> Iterator[None]:
