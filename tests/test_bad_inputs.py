@@ -205,6 +205,9 @@ PLANS = {
     "linear subclass with its own forward": Case(lambda: sw.parallelize(
         _with_scaled_fc1(make_gpt(0)), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.mlp.fc1.weight": "Shard(0)"}}),
         "PlanError", "no tensor-parallel rule for ScaledLinear"),
+    "sharded module with a hook": Case(lambda: sw.parallelize(
+        _with_hooked_fc1(make_gpt(0)), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.mlp.fc1.weight": "Shard(0)"}}),
+        "PlanError", "layers.0.mlp.fc1 (Linear) has forward or backward hooks"),
     "root module tensor-parallel": Case(lambda: sw.parallelize(nn.Linear(4, 4), sw.ParallelConfig(tp=2),
                                                                plan={"params": {"weight": "Shard(0)"}}),
                                         "PlanError", "the root module (Linear) itself is tensor-parallel"),
@@ -216,6 +219,11 @@ class ScaledLinear(nn.Linear):
 
     def forward(self, x):
         return 2.0 * super().forward(x)
+
+
+def _with_hooked_fc1(model: nn.Module) -> nn.Module:
+    model.layers[0].mlp.fc1.register_forward_hook(lambda module, args, out: out * 2)
+    return model
 
 
 def _with_scaled_fc1(model: nn.Module) -> nn.Module:

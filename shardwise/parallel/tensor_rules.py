@@ -140,6 +140,13 @@ def _has_rule(module: nn.Module) -> bool:
         or (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward) or _is_conv1d(module)
 
 
+def _carries_hooks(module: nn.Module) -> bool:
+    """Whether a user registered forward or backward hooks on `module` (torch has no public
+    accessor; these are the dicts `register_*_hook` fill)."""
+    return any(getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                         "_backward_pre_hooks"))
+
+
 def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
     """The rule for a module with sharded parameters, and its parameters' full placements."""
     weight = placements.get("weight", Replicate())
@@ -150,6 +157,11 @@ def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
             f"{path} ({kind}) has sharded parameters but shardwise has no tensor-parallel rule for {kind}; "
             "shard nn.Linear, nn.Embedding or transformers Conv1D modules (subclasses only if they keep their "
             "forward), or leave its parameters replicated")
+    if _carries_hooks(module):
+        raise PlanError(
+            f"{path} ({kind}) has forward or backward hooks and its parameters are sharded: it is replaced by a "
+            "TensorParallelModule, where those hooks would not run; register them on its parent, or after "
+            "sw.parallelize on the module at the same path")
     if isinstance(module, nn.Linear) or _is_conv1d(module):
         out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
         strided = isinstance(weight, _StridedShard)
