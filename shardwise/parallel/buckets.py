@@ -99,7 +99,6 @@ class Bucket:
         self.sizes = [local(p).numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         numel = sum(self.sizes)
-        self.zero = zero
         self.sharded = zero.grads_sharded
         ways = reduce.size if self.sharded else 1
         self.padded = -(-numel // ways) * ways
@@ -183,9 +182,9 @@ class ReplicaSummary:
     step with `grad = None`, as on one process, so optimizers skip them), and the step's loss.
 
     `slots` values, packed pre-divided by the group size so the collective's sum is the
-    mean. They ride in the last bucket's `summary` slots when that bucket is float32 and
-    reduced over exactly the replicas (no extra collective); otherwise in an all-reduce of
-    their own.
+    mean. They ride in the last bucket's `summary` slots when that bucket is float32,
+    all-reduced (not ZeRO) and over ranks that hold the same parameters (replicas, and their
+    tp peers, whose flags and loss are equal); otherwise in an all-reduce of their own.
     """
 
     def __init__(self, num_params: int):

@@ -21,7 +21,8 @@ produced a gradient, and the step's loss. It tells every rank which parameters n
 used — those end the step with `grad = None`, exactly as on one process, so optimizers skip
 them — and gives the mean loss over replicas. It rides in the last bucket's declared summary
 slots at no extra collective (in a small all-reduce of its own when that bucket cannot
-carry it: not float32, sharded, or reduced over more than the replicas).
+carry it: not float32, reduce-scattered under ZeRO, or reduced with pipeline ranks that hold
+other parameters).
 
 Why not torch's DistributedDataParallel: the same pass must reduce-scatter (ZeRO-1/2) and
 sum tensor-parallel partial gradients, and DDP owns its buckets; DDP also makes unused
