@@ -94,7 +94,7 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
     """Bytes one microbatch of `batch` keeps for backward on this rank (see the module
     docstring). Collective, like train_step: every rank calls it with its own batch."""
     parts = pmodel.config.microbatches
-    batch, microbatches, _ = pmodel.agree_on_batch("activation_memory", batch, parts, check=True)
+    batch, microbatches, _, _ = pmodel.agree_on_batch("activation_memory", batch, parts, check=True)
     module = pmodel.module
     units = candidate_units(module)
     blocks = layer_list(module)

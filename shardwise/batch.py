@@ -16,13 +16,14 @@ from torch.distributed.tensor import DTensor
 from .errors import BatchError, ModelError
 
 
-def _leaves(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+def leaves(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) for every leaf of a nested batch, paths as `batch['labels']`."""
     if isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
+            yield from leaves(value, f"{path}[{key!r}]")
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from _leaves(value, f"{path}[{i}]")
+            yield from leaves(value, f"{path}[{i}]")
     else:
         yield path, obj
 
@@ -42,7 +43,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def batch_size(batch: Any) -> int:
     """The common dim-0 size of the batch tensors; raises `BatchError` if they disagree."""
-    sizes = [(path, leaf.shape[0]) for path, leaf in _leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    sizes = [(path, leaf.shape[0]) for path, leaf in leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not sizes:
         raise BatchError(
             f"the batch ({type(batch).__name__}) holds no tensor with a batch dimension; "
@@ -100,7 +101,7 @@ def batch_signature(batch: Any, content: bool = True) -> list[str]:
     """One line per leaf: its path, shape and dtype (and checksum with `content`), for
     checking that ranks given the same batch were, and naming the first difference."""
     lines = []
-    for path, leaf in _leaves(batch):
+    for path, leaf in leaves(batch):
         if isinstance(leaf, torch.Tensor):
             line = f"{path} of shape {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
             lines.append(line + (f" (checksum {checksum(leaf)})" if content else ""))

@@ -28,6 +28,7 @@ from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
+from .parallel.context import ContextParallel, SequenceShards, check_attention, shard_batch
 from .parallel.data import apply_data_parallel
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
@@ -41,10 +42,6 @@ from .plan.stages import StageLayout, candidate_units, layout_stages
 from .state import ModelIndex
 from .tensors import local
 from .topology import Topology, init_distributed
-
-# Degrees this build's executors run; later layouts lift these limits.
-_SUPPORTED = {"cp": 1}
-
 
 def parallelize(
     module: nn.Module,
@@ -103,16 +100,17 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
         )
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be a sw.ParallelConfig, got {type(config).__name__}")
-    for name, limit in _SUPPORTED.items():
-        if getattr(config, name) > limit:
-            raise ConfigError(f"{name}={getattr(config, name)} is not supported by this version of shardwise; use {name}<={limit}")
     check_materializable(module)
+    if config.cp > 1:
+        check_attention(module)
     chosen = as_plan(plan, config)
     config = _with_plan_zero(config, chosen)
     resolved = resolve_plan(chosen, module, config.tp)
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
     config.resolve(dist.get_world_size())
+    if config.cp > 1 and config.pp > 1 and sample is not None:  # stages are captured on one rank's part
+        sample = shard_batch(sample, SequenceShards(config.cp, 0), config.sequence_dim)
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     recompute_targets(module, config, resolved)
     return config, chosen, resolved, layout
@@ -156,12 +154,13 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     tensor_parallel = apply_tensor_parallel(module, topology, resolved, sharded_values) if topology.sizes["tp"] > 1 \
         else None
     module.to(topology.device)
-    recomputed = apply_recompute(module, config, resolved, tensor_parallel)
+    context_parallel = ContextParallel(topology.group("cp"), config.sequence_dim) if config.cp > 1 else None
+    recomputed = apply_recompute(module, config, resolved, tensor_parallel, context_parallel)
     pipeline = None
     if pipelined is not None:
         pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                             config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
-                            functools.partial(forward_context, tensor_parallel, module))
+                            functools.partial(forward_context, tensor_parallel, context_parallel, module))
     fp32_values = apply_mixed_precision(module, config)
     units = zero3_units(module) if config.zero == 3 else None
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
@@ -172,7 +171,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                                        _first_holders(module, index.tied or {}, topology.pp_rank))
     return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
                           pipeline=pipeline, gradients=gradients, param_shards=param_shards,
-                          optimizer_params=optimizer_params, recomputed=recomputed)
+                          optimizer_params=optimizer_params, recomputed=recomputed,
+                          context_parallel=context_parallel)
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

@@ -76,6 +76,8 @@ class ParallelConfig:
     reduce_dtype: dtype gradients are accumulated and reduced in; None: param_dtype.
     recompute: None, "full" or "selective": activations of each block of the model's layer
         list (or of the plan's `recompute` modules) rebuilt in backward instead of kept.
+    sequence_dim: the dimension of the batch tensors that indexes tokens, along which
+        context parallelism (cp > 1) splits them.
     """
 
     dp: int | None = None
@@ -92,6 +94,7 @@ class ParallelConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     recompute: str | None = None
+    sequence_dim: int = 1
 
     def __post_init__(self) -> None:
         if self.dp is not None:
@@ -107,6 +110,9 @@ class ParallelConfig:
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={self.recompute!r} is not a recompute mode; use None, 'full' (keep only "
                               "each block's input) or 'selective' (keep matmul and attention outputs)")
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim < 1:
+            raise ConfigError(f"sequence_dim={self.sequence_dim!r} must be the batch tensors' token dimension, an "
+                              "integer >= 1 (dim 0 is the batch)")
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
         if self.sequence_parallel and self.tp == 1:

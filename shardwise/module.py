@@ -23,6 +23,7 @@ from . import report, state
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .coordination import Fingerprint, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .parallel.context import ContextParallel
 from .parallel.data import GradientBuckets
 from .parallel.pipeline import Pipeline
 from .parallel.tensor import TensorParallel
@@ -42,7 +43,8 @@ class ParallelModule(nn.Module):
     def __init__(self, module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan,
                  index: ModelIndex, *, gradients: GradientBuckets, optimizer_params: OptimizerParams,
                  tensor_parallel: TensorParallel | None = None, pipeline: Pipeline | None = None,
-                 param_shards: ParameterShards | None = None, recomputed: list[str] | None = None):
+                 param_shards: ParameterShards | None = None, recomputed: list[str] | None = None,
+                 context_parallel: ContextParallel | None = None):
         super().__init__()
         self.module = module
         self.topology = topology
@@ -52,6 +54,7 @@ class ParallelModule(nn.Module):
         self.index = index  # the whole model's names and shapes (pipeline ranks hold part of it)
         self.tensor_parallel = tensor_parallel
         self.pipeline = pipeline
+        self.context_parallel = context_parallel
         self.gradients = gradients
         self.param_shards = param_shards  # ZeRO-3
         self.optimizer_params = optimizer_params
@@ -77,7 +80,7 @@ class ParallelModule(nn.Module):
 
     def run_module(self, *args: Any, **kwargs: Any) -> Any:
         """One forward of the wrapped module, inside tensor parallel's forward context."""
-        with forward_context(self.tensor_parallel, self.module):
+        with forward_context(self.tensor_parallel, self.context_parallel, self.module):
             return self.module(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -86,8 +89,9 @@ class ParallelModule(nn.Module):
         With a loss-parallel plan, run the backward inside `pmodel.loss_parallel()` too (train_step does).
         With pipeline parallelism use train_step and infer_step: one rank holds only its stages.
         """
-        if self.pipeline is not None:
-            raise ModelError("with pp > 1 a forward spans ranks: use pmodel.train_step(batch) or pmodel.infer_step(batch)")
+        if self.pipeline is not None or self.context_parallel is not None:
+            raise ModelError(f"with {'pp' if self.pipeline is not None else 'cp'} > 1 a forward spans ranks (and "
+                             "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         self._forwards += 1
         if self.topology.world_size > 1 and (self._forwards - 1) % self.config.check_every == 0:
             lines = batch_signature((args, kwargs))
@@ -103,29 +107,32 @@ class ParallelModule(nn.Module):
         """Agreement between this topology's ranks before each collective operation."""
         return self.topology.coordinator
 
-    def agree_on_batch(self, op: str, batch: Any, parts: int, check: bool) -> tuple[Any, list[Any], float]:
+    def agree_on_batch(self, op: str, batch: Any, parts: int, check: bool) -> "StepBatch":
         """Validate and split `batch`, agree with every rank, and return it (on this rank's
-        device), its microbatches and this replica's weight relative to an equal share
-        (n_replica * dp / n_global).
+        device; under cp this rank's part of the sequence), its microbatches and the weights
+        of this replica and of this rank's microbatch losses (see `StepBatch`).
 
         On check steps every rank gathers every rank's operation, problem and sample count,
         and peers that must hold the same batch (tp, cp, pp) compare its fingerprint; on
         other steps only the data-parallel ranks combine their sample counts."""
-        problem, microbatches, samples = None, [], 0
+        problem, whole, microbatches, samples, loss_weights = None, batch, [], 0, None
         try:
-            batch = self._prepare(batch)
-            microbatches = split_batch(batch, parts)
+            whole = batch = self._prepare(batch)
             samples = batch_size(batch)
+            if self.context_parallel is not None:
+                batch = self.context_parallel.shard(whole)
+                loss_weights = self.context_parallel.loss_weights(whole, parts)
+            microbatches = split_batch(batch, parts)
         except ShardwiseError as exc:
             problem = exc
         topology = self.topology
         if topology.world_size == 1:
             if problem is not None:
                 raise problem
-            return batch, microbatches, 1.0
+            return StepBatch(batch, microbatches, 1.0, loss_weights)
         replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
         if check:
-            lines = batch_signature(batch) if problem is None else ["(a batch this rank refused)"]
+            lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
             agreement = self.coordinator.agree(op, problem, value=samples, fingerprints=[Fingerprint(
                 fingerprint_of(lines), lambda: lines, BatchError,
                 "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
@@ -140,7 +147,8 @@ class ParallelModule(nn.Module):
                 dp = topology.group("dp")
                 self.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
                 total = int(counted.item())
-        return batch, microbatches, samples * len(replicas) / total  # exactly 1.0 when replicas are equal
+        return StepBatch(batch, microbatches, samples * len(replicas) / total,  # exactly 1.0 when replicas are equal
+                         loss_weights)
 
     def _checking(self) -> bool:
         return (self.steps - 1) % self.config.check_every == 0
@@ -174,17 +182,21 @@ class ParallelModule(nn.Module):
                           "with sw.build_optimizer(pmodel, ...) sees them; a plain torch optimizer would not update "
                           "anything", stacklevel=2)
         parts = self.config.microbatches
-        batch, microbatches, weight = self.agree_on_batch("train_step", batch, parts, self._checking())
-        with self.in_step("train_step"), self.gradients.step(weight) as gradients, self.loss_parallel():
+        step = self.agree_on_batch("train_step", batch, parts, self._checking())
+        if self.context_parallel is not None:
+            self.context_parallel.reset_traffic()
+        with self.in_step("train_step"), self.gradients.step(step.replica_weight) as gradients, self.loss_parallel():
             if self.pipeline is not None:
                 with gradients.pipelined() as sync:
-                    local_mean = self.pipeline.train_step(batch, sync)
+                    local_mean = self.pipeline.train_step(step.batch, sync, step.loss_weights)
                 gradients.loss(local_mean)
             else:
                 losses = []
-                for i, microbatch in enumerate(microbatches):
+                for i, microbatch in enumerate(step.microbatches):
                     with gradients.microbatch(last=i == parts - 1):
                         loss = loss_of(self.run_module(microbatch))
+                        if step.loss_weights is not None:
+                            loss = loss * step.loss_weights[i]
                         losses.append(loss.detach())
                         local_mean = torch.stack(losses).float().mean()
                         if i == parts - 1:  # averaged over replicas along with the gradients
@@ -213,12 +225,15 @@ class ParallelModule(nn.Module):
     def infer_step(self, batch: Any) -> Any:
         """The module's outputs for `batch`, without gradients, on every rank; sharded outputs
         gathered whole. With pp > 1: the last stage's outputs."""
-        batch, _, _ = self.agree_on_batch("infer_step", batch, 1, check=True)
+        step = self.agree_on_batch("infer_step", batch, 1, check=True)
         with self.in_step("infer_step"), self.loss_parallel():
             if self.pipeline is not None:
-                return self.pipeline.infer_step(batch)
-            out = self.run_module(batch)
-            return map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+                out = self.pipeline.infer_step(step.batch)
+            else:
+                out = map_tensors(self.run_module(step.batch), lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+            if self.context_parallel is not None:
+                out = self.context_parallel.whole_outputs(out, step.loss_weights[0])
+            return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -306,6 +321,18 @@ class ParallelModule(nn.Module):
         return report.summary(self, batch)
 
 
+class StepBatch(NamedTuple):
+    """A batch agreed for one step: `batch` on this rank's device (under cp, this rank's part
+    of each sequence), its `microbatches`, this replica's weight relative to an equal share
+    (n_replica * dp / n_global), and under cp the factor of each microbatch's loss (see
+    `ContextParallel.loss_weights`; None without cp)."""
+
+    batch: Any
+    microbatches: list[Any]
+    replica_weight: float
+    loss_weights: list[float] | None
+
+
 class DataParallelInfo(NamedTuple):
     """Which data-parallel replica this rank belongs to, and how many there are."""
 
@@ -318,7 +345,12 @@ def data_parallel_info(pmodel: ParallelModule) -> DataParallelInfo:
     return DataParallelInfo(pmodel.topology.dp_rank, pmodel.topology.sizes["dp"])
 
 
-def forward_context(tensor_parallel: TensorParallel | None, module: nn.Module) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def forward_context(tensor_parallel: TensorParallel | None, context_parallel: ContextParallel | None,
+                    module: nn.Module) -> Iterator[None]:
     """Around one forward of `module` or a pipeline stage of it: tensor parallel checks the
-    first and forgets its per-forward state after each (nothing without tensor parallelism)."""
-    return tensor_parallel.forward(module) if tensor_parallel is not None else contextlib.nullcontext()
+    first and forgets its per-forward state after each; context parallel routes attention
+    over the whole sequence (nothing without either)."""
+    with tensor_parallel.forward(module) if tensor_parallel is not None else contextlib.nullcontext(), \
+            context_parallel.attention() if context_parallel is not None else contextlib.nullcontext():
+        yield

@@ -1,16 +1,26 @@
-"""Context parallelism's attention: each rank's shard of the queries over the whole sequence's
-keys, against one process's attention on the whole sequence (outputs and gradients)."""
+"""Context parallelism: attention of each rank's shard of the queries over the whole
+sequence's keys (float64, against one process's attention), then whole models trained with
+cp alone and composed with dp, tp + sp, pp and ZeRO-3 against one process (tests/parity.py),
+and the batches and models cp refuses."""
 
 from __future__ import annotations
+
+import functools
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
+from torch import nn
 
 import shardwise as sw
+from parity import Case, compare_cases, corpus_batches, make_gpt
 from shardwise.errors import BatchError, ModelError
 from shardwise.parallel.context import SequenceShards, context_parallel_attention
+from test_zoo import COMMON
+from test_zoo import make as make_zoo_model
 
 # (batch, query heads, key/value heads, head dim, sequence): GQA (4 query heads per kv head)
 # and plain multi-head, sequences divisible by 2*cp for cp = 2 and 4.
@@ -100,3 +110,138 @@ def _dropout_refused() -> str:
 def test_attention_dropout_is_refused():
     for message in sw.testing.run_on_ranks(_dropout_refused, 2):
         assert "set the attention dropout to 0 for cp > 1" in message
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM as a cp user writes it: positions from the batch, labels
+    pre-shifted and handed over as shift_labels (HF computes the loss only when labels= is
+    given, and would shift those itself)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
+                       shift_labels=batch["labels"]).loss
+
+
+def make(kind: str) -> nn.Module:
+    if kind == "gpt":
+        return make_gpt(block_size=16)
+    torch.manual_seed(0)
+    t = transformers
+    config_class, model_class = {"llama": (t.LlamaConfig, t.LlamaForCausalLM),
+                                 "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM)}[kind]
+    return CausalLM(model_class(config_class(num_key_value_heads=2, **COMMON)))  # GQA: 2 kv heads for 4
+
+
+def cp_batches(steps: int = 4, uneven: bool = False) -> list[dict]:
+    """Corpus text, 16 tokens per row with pre-shifted labels. `uneven`: labels ignored (-100)
+    unevenly along the sequence (most of the last third, a fifth elsewhere), so cp ranks
+    count different numbers of tokens and an unweighted mean over shards would be wrong."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for tokens in corpus_batches(steps, 4, seq=16):
+        labels = tokens[:, 1:].clone()
+        if uneven:
+            odds = torch.full(labels.shape, 0.2)
+            odds[:, 11:] = 0.8
+            labels[torch.rand(labels.shape, generator=gen) < odds] = -100
+            labels[:, 4] = tokens[:, 5]  # every cp rank keeps a counted token (cp=2: positions 4..11 on rank 1)
+            labels[:, 0] = tokens[:, 1]
+        out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": labels})
+    return out
+
+
+CP_LAYOUTS = {2: {"cp2": {"cp": 2}},
+              4: {"cp4": {"cp": 4}, "cp2 x dp2": {"cp": 2, "dp": 2},
+                  "cp2 x tp2 sp": {"cp": 2, "tp": 2, "sequence_parallel": True},
+                  "cp2 x pp2": {"cp": 2, "pp": 2, "microbatches": 2},
+                  "cp2 x dp2 zero3": {"cp": 2, "dp": 2, "zero": 3}}}
+
+
+@pytest.mark.parametrize("world", sorted(CP_LAYOUTS))
+def test_context_parallel_parity(world):
+    """Our GPT (AdamW), Llama and Qwen2 (SGD: AdamW barely moves their loss in four steps)
+    trained with cp against one process on the whole sequence, with tests/parity.py's
+    tolerances: cp only reorders sums (the gathered keys, the reduce-scatter of their
+    gradients, the loss as a weighted sum of shard means), as dp and tp do. Uneven ignored
+    labels: at cp=2 (exact one-process mean; with dp > 1 replicas are weighted by samples, as
+    under DDP) and under pp, whose last stage weights each microbatch's loss."""
+    cases = [Case(f"{kind} {name}", config, functools.partial(make, kind), cp_batches(),
+                  plan=kind if config.get("tp", 1) > 1 else None, optimizer="adamw" if kind == "gpt" else "sgd")
+             for kind in ("gpt", "llama", "qwen2") for name, config in CP_LAYOUTS[world].items()]
+    uneven = {"cp": 2} if world == 2 else {"cp": 2, "pp": 2, "microbatches": 2}
+    cases += [Case(f"{kind} {uneven} uneven ignored labels", uneven, functools.partial(make, kind),
+                   cp_batches(uneven=True), optimizer="adamw" if kind == "gpt" else "sgd",
+                   reference_microbatches=uneven.get("microbatches", 1))  # (a mean over microbatches' means)
+              for kind in ("gpt", "llama")]
+    compare_cases(world, cases)
+
+
+class EagerAttention(nn.Module):
+    """Attention written by hand (matmul, softmax): it would see only its shard's keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, batch):
+        x = self.embed(batch["input_ids"])
+        scores = (x @ x.transpose(-1, -2)).unsqueeze(1)
+        x = (scores.softmax(-1) @ x.unsqueeze(1)).squeeze(1)
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch["labels"].flatten())
+
+
+def _refusals() -> dict[str, str]:
+    """Each refused use of cp=2, by name -> the error's class and message on this rank; and the
+    loss infer_step returns for a batch."""
+    config = sw.ParallelConfig(cp=2)
+    batch = cp_batches(1)[0]
+    found = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            found[name] = "no error"
+        except sw.ShardwiseError as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+
+    pm = sw.parallelize(make("gpt"), config)
+    attempt("sequence of 14", lambda: pm.train_step({k: v[:, :14] for k, v in batch.items()}))
+    attempt("tensor batch", lambda: pm.train_step(batch["input_ids"]))
+    attempt("attention_mask", lambda: pm.train_step({**batch, "attention_mask": torch.ones(4, 16)}))
+    ignored = batch["labels"].clone()
+    ignored[:, 4:12] = -100  # all of cp rank 1's tokens
+    attempt("shard with only ignored labels", lambda: pm.train_step({**batch, "labels": ignored}))
+    attempt("plain forward", lambda: pm(batch))
+    found["infer_step loss"] = float(pm.infer_step(batch))
+    attempt("hand-written attention", lambda: sw.parallelize(EagerAttention(), config).train_step(batch))
+    attempt("labels shifted by the model", lambda: sw.parallelize(make_zoo_model("llama"), config).train_step(batch))
+    eager = make("llama")
+    eager.lm.config._attn_implementation = "eager"
+    attempt("eager attention configured", lambda: sw.parallelize(eager, config))
+    return found
+
+
+def test_context_parallel_refusals():
+    """What cp cannot run exactly is refused with the fix named, the same error on every rank."""
+    expected = {
+        "sequence of 14": "BatchError: .*pad the sequence to a multiple of 4",
+        "tensor batch": "BatchError: under context parallelism .* must be a dict holding 'labels'",
+        "attention_mask": "BatchError: .*cannot carry an 'attention_mask'.*label -100",
+        "shard with only ignored labels": "BatchError: microbatch 0: .*cp rank 1.* only ignored labels",
+        "plain forward": "ModelError: with cp > 1 a forward spans ranks.*train_step",
+        "hand-written attention": "ModelError: .*softmax .*scaled_dot_product_attention",
+        "labels shifted by the model": "ModelError: .*shifts its labels itself.*shift_labels=",
+        "eager attention configured": "ModelError: lm computes attention with 'eager'.*attn_implementation='sdpa'",
+    }
+    ranks = sw.testing.run_on_ranks(_refusals, 2)
+    assert ranks[0] == ranks[1]
+    for name, pattern in expected.items():
+        assert re.match(pattern, ranks[0][name], re.S), f"{name}: {ranks[0][name]}"
+    reference = float(make("gpt")(cp_batches(1)[0]))
+    # the loss: a weighted sum of two shard means, in float32 (a few ulps of ~4) against one process's
+    assert abs(ranks[0]["infer_step loss"] - reference) <= 1e-5 * reference

@@ -2,7 +2,9 @@
 
 End2end: `forward(batch)` returns the mean next-token cross-entropy, where `batch` is a
 LongTensor of shape (B, T + 1) (inputs are the first T tokens, targets the last T) or a
-dict with "input_ids" and "labels" of shape (B, T). Attention reshapes with -1 heads and
+dict with "input_ids" and pre-shifted "labels" of shape (B, T) (labels -100 are ignored),
+and optionally "position_ids" (context parallelism adds them: a rank holds tokens from two
+places in the sequence). Attention reshapes with -1 heads and
 takes the sequence length from its projections, so a tensor-parallel shard (fewer local
 heads) or a sequence shard runs the same code; the output head shares the token
 embedding's weight by default. `attn_dropout` drops attention probabilities inside SDPA;
@@ -103,19 +105,22 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
-        x = self.drop(self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device)))
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:  # (given ones past block_size fail in the embedding lookup)
+            t = input_ids.shape[1]
+            if t > self.cfg.block_size:
+                raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
+            position_ids = torch.arange(t, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.ln_f(x))
 
     def forward(self, batch: Any) -> torch.Tensor:
+        positions = None
         if isinstance(batch, Mapping):
-            input_ids, labels = batch["input_ids"], batch["labels"]
+            input_ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
         else:
             input_ids, labels = batch[:, :-1], batch[:, 1:]
-        logits = self.logits(input_ids)
+        logits = self.logits(input_ids, positions)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())

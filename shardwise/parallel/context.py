@@ -19,21 +19,34 @@ training did), not ring attention or all-to-all over heads.
   in `torch.distributed.tensor.experimental`) rewrites SDPA through DTensor dispatch and
   is experimental; the gather keeps one exact code path on every backend.
 
-This module does not yet make `cp > 1` runnable (the config still refuses it): the batch
-split, the loss weighting and the hook into a module's forward come next (issue 12).
+`ContextParallel` applies this to a module: it splits each batch (every tensor with a
+sequence dimension; `position_ids` added with the global positions), weights each shard's
+loss by its share of the counted label tokens, and, around the module's forward and its
+recomputation, routes `F.scaled_dot_product_attention` to `context_parallel_attention`.
+Attention computed any other way (an eager softmax over the shard's own keys) and labels the
+model shifts itself (Hugging Face's `labels=` path) would be silently wrong across shards:
+both are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
+from torch.overrides import TorchFunctionMode
+
+from ..batch import leaves, map_tensors, split_batch
 from ..errors import BatchError, ModelError
 from .collectives import enter_parallel
+
+IGNORE_INDEX = -100  # labels equal to it count no token (torch's and Hugging Face's default)
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,11 @@ class SequenceShards:
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (its two chunks along `dim`, concatenated)."""
-        return tensor.index_select(dim, self.positions(tensor.shape[dim], device=tensor.device))
+        return self.split_for(tensor, dim, self.rank)
+
+    def split_for(self, tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """Rank `rank`'s tokens of a whole-sequence tensor."""
+        return tensor.index_select(dim, self.positions(tensor.shape[dim], rank, device=tensor.device))
 
 
 def sequence_shards(group: dist.ProcessGroup) -> SequenceShards:
@@ -96,8 +113,11 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     mask = None
     if attn_mask is not None:
         if tuple(attn_mask.shape[-2:]) != (seq_len, seq_len):
-            raise ModelError(f"under context parallelism attn_mask must cover the whole sequence ({seq_len} x "
-                             f"{seq_len}), got shape {tuple(attn_mask.shape)}")
+            raise ModelError(
+                f"under context parallelism attn_mask must cover the whole sequence ({seq_len} x {seq_len}), got "
+                f"shape {tuple(attn_mask.shape)}: the model built a mask for its own part of the sequence. Pass no "
+                "attention_mask and let attention be causal (Hugging Face builds a mask from attention_mask=, or "
+                "from position_ids when use_cache=False: keep the default use_cache)")
         mask = attn_mask.index_select(-2, query_pos).index_select(-1, key_pos)
     if is_causal:
         causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
@@ -108,3 +128,183 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         else:
             mask = mask.masked_fill(~causal, float("-inf"))
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def sequence_length(batch: Any, size: int, dim: int) -> int:
+    """The sequence length of a batch for cp = `size`, after checking what context parallelism
+    needs of it: a dict with pre-shifted `labels`, every tensor with a dimension `dim` of that
+    length, no padding mask, and a length 2·cp divides."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+        raise BatchError(
+            f"under context parallelism (cp={size}) the batch must be a dict holding 'labels' (with the inputs, e.g. "
+            "'input_ids'): each rank computes the loss of its part of the sequence, and shardwise weights the parts "
+            "by their counted labels. Labels must be pre-shifted: labels[:, t] is the target of position t")
+    labels = batch["labels"]
+    if labels.dim() <= dim:
+        raise BatchError(f"batch['labels'] of shape {tuple(labels.shape)} has no sequence dimension {dim}; set "
+                         "ParallelConfig(sequence_dim=...) to the dimension that indexes tokens")
+    if "attention_mask" in batch:
+        raise BatchError(
+            "under context parallelism the batch cannot carry an 'attention_mask': a model builds its mask for its "
+            "own part of the sequence. Pad sequences on the right and give padded positions the label "
+            f"{IGNORE_INDEX}: under a causal mask no real token attends to later padding, so the result is exact")
+    seq_len = labels.shape[dim]
+    for path, leaf in leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] != seq_len:
+            raise BatchError(
+                f"{path} has {leaf.shape[dim]} entries along the sequence dimension {dim}, batch['labels'] has "
+                f"{seq_len}: under cp every batch tensor with a sequence dimension is split along it, so they must "
+                "agree (set ParallelConfig(sequence_dim=...) if tokens are indexed by another dimension)")
+    SequenceShards(size, 0).check(seq_len)
+    return seq_len
+
+
+def shard_batch(batch: Mapping, shards: SequenceShards, dim: int) -> dict:
+    """Cp rank `shards.rank`'s part of a whole-sequence batch (checked by `sequence_length`),
+    with `position_ids` holding its tokens' global positions when the batch has none."""
+    seq_len = sequence_length(batch, shards.size, dim)
+    batch = dict(batch)
+    if "position_ids" not in batch:
+        labels = batch["labels"]
+        positions = torch.arange(seq_len, device=labels.device).view(*([1] * dim), seq_len)
+        batch["position_ids"] = positions.expand(*labels.shape[:dim + 1])
+    return map_tensors(batch, lambda t: shards.split(t, dim) if t.dim() > dim else t)
+
+
+def check_attention(module: torch.nn.Module) -> None:
+    """Refuse, before any rank communicates, a Hugging Face model configured to compute
+    attention other than through SDPA (which is what context parallelism routes)."""
+    for name, sub in module.named_modules():
+        implementation = getattr(getattr(sub, "config", None), "_attn_implementation", None)
+        if implementation is not None and implementation != "sdpa":
+            raise ModelError(
+                f"{name or type(module).__name__} computes attention with {implementation!r}; context parallelism "
+                "computes torch.nn.functional.scaled_dot_product_attention over the whole sequence, so load the "
+                "model with attn_implementation='sdpa'")
+
+
+class ContextParallel:
+    """cp > 1 for one module: batch shards, loss weights, attention across shards (see the
+    module docstring). `gathered_bytes` / `gathers` count the K/V all-gathers of the current
+    step (their backward reduce-scatters move the same bytes)."""
+
+    def __init__(self, group: dist.ProcessGroup, sequence_dim: int):
+        self.group = group
+        self.shards = sequence_shards(group)
+        self.sequence_dim = sequence_dim
+        self.local_len = 0  # tokens per rank in the batch being run
+        self.gathers = 0
+        self.gathered_bytes = 0
+        self._routing = False  # one routing mode at a time: a second would gather K/V twice
+
+    def shard(self, batch: Any) -> dict:
+        """This rank's part of `batch` (see `shard_batch`)."""
+        local = shard_batch(batch, self.shards, self.sequence_dim)
+        self.local_len = local["labels"].shape[self.sequence_dim]
+        return local
+
+    def loss_weights(self, batch: Mapping, parts: int) -> list[float]:
+        """Per microbatch, the factor for this rank's mean loss so that the mean over the cp
+        ranks (the gradient reducer averages over dp × cp) is the mean over every counted
+        token of the microbatch: cp · n_rank / n_all. Checks every rank's share, so each
+        raises the same error for a shard with no counted label (its mean would be 0/0)."""
+        weights = []
+        size, dim = self.shards.size, self.sequence_dim
+        for index, part in enumerate(split_batch(batch, parts)):
+            labels = part["labels"]
+            counted = [int((self.shards.split_for(labels, dim, rank) != IGNORE_INDEX).sum()) for rank in range(size)]
+            total = sum(counted)
+            empty = [rank for rank, n in enumerate(counted) if n == 0]
+            if total and empty:
+                raise BatchError(
+                    f"microbatch {index}: the part of the sequence cp rank {empty[0]} holds (positions "
+                    f"{self.shards.positions(labels.shape[dim], empty[0]).tolist()[:4]}...) has only ignored labels "
+                    f"({IGNORE_INDEX}), so its mean loss is 0/0; spread ignored tokens (padding) differently, or use "
+                    "a shorter padded length")
+            weights.append(size * counted[self.shards.rank] / total if total else 1.0)
+        return weights
+
+    @contextlib.contextmanager
+    def attention(self) -> Iterator[None]:
+        """Around a forward (or recomputation) of the module: SDPA over the whole sequence."""
+        if self._routing:
+            yield
+            return
+        self._routing = True
+        try:
+            with _ShardedAttention(self):
+                yield
+        finally:
+            self._routing = False
+
+    def whole_outputs(self, output: Any, weight: float) -> Any:
+        """A forward's outputs on this rank's part of the sequence made whole, as one process
+        returns them: a scalar (a mean loss, weighted by `weight` from `loss_weights`) is
+        combined over the cp ranks, tensors with a sequence dimension are gathered into
+        global token order, others are returned as they are."""
+        dim, size = self.sequence_dim, self.shards.size
+
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0 and t.is_floating_point():
+                total = t.float() * (weight / size)
+                dist.all_reduce(total, group=self.group)
+                return total.to(t.dtype)
+            if t.dim() > dim and t.shape[dim] == self.local_len:
+                parts = [torch.empty_like(t) for _ in range(size)]
+                dist.all_gather(parts, t.contiguous(), group=self.group)
+                order = self.shards.gathered_positions(self.local_len * size, device=t.device).argsort()
+                return torch.cat(parts, dim).index_select(dim, order)
+            return t
+
+        return map_tensors(output, whole)
+
+    def reset_traffic(self) -> None:
+        self.gathers = self.gathered_bytes = 0
+
+    def gathered(self, *tensors: torch.Tensor) -> None:
+        """Record the all-gather of `tensors` (K and V of one attention call)."""
+        share = (self.shards.size - 1) / self.shards.size
+        for t in tensors:
+            self.gathers += 1
+            self.gathered_bytes += int(t.numel() * t.element_size() * self.shards.size * share)
+
+
+class _ShardedAttention(TorchFunctionMode):
+    """Routes SDPA to `context_parallel_attention`; refuses the two silent mistakes of the
+    module docstring (an eager softmax over the shard's own keys, labels shifted by the model)."""
+
+    def __init__(self, cp: ContextParallel):
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query, key, value, *rest = args
+            kwargs.update(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest))
+            self.cp.gathered(key, value)
+            return context_parallel_attention(query, key, value, self.cp.group, **kwargs)
+        if func in _SOFTMAX and _attention_shaped(args[0], self.cp.local_len):
+            raise ModelError(
+                f"under context parallelism a softmax over a {tuple(args[0].shape)} tensor looks like attention "
+                "computed by hand over this rank's keys only; call torch.nn.functional.scaled_dot_product_attention "
+                "(Hugging Face: attn_implementation='sdpa'), which shardwise computes over the whole sequence")
+        if func is F.pad and _shifts_labels(args, kwargs):
+            raise ModelError(
+                f"under context parallelism the model shifts its labels itself (padding them with {IGNORE_INDEX}, as "
+                "Hugging Face does for labels=): across sequence shards that pairs tokens with the wrong targets. "
+                "Pass pre-shifted labels as shift_labels= (Hugging Face: model(..., labels=labels, "
+                "shift_labels=labels)) or compute the loss from labels[:, t] as the target of position t")
+        return func(*args, **kwargs)
+
+
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+def _attention_shaped(x: Any, local_len: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[-1] == x.shape[-2] == local_len
+
+
+def _shifts_labels(args: tuple, kwargs: dict) -> bool:
+    value = kwargs.get("value", args[3] if len(args) > 3 else None)
+    return isinstance(args[0], torch.Tensor) and not args[0].is_floating_point() and value == IGNORE_INDEX

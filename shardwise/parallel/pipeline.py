@@ -301,9 +301,11 @@ class Pipeline:
                                                scale_grads=False) if training else cls(target, self.microbatches)
         return compiled.schedules[training]
 
-    def _microbatch_loss(self, loss: torch.Tensor, target: Any) -> torch.Tensor:
-        """The last stage's loss, noted, and divided by the microbatch count for backward:
-        gradients accumulate to the mean over microbatches."""
+    def _microbatch_loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss times its microbatch's weight (every sample of `target`
+        holds it), noted, and divided by the microbatch count for backward: gradients
+        accumulate to the mean over microbatches."""
+        loss = loss * target[0].to(loss.dtype)
         self._losses.append(loss.detach())
         return loss / self.microbatches
 
@@ -343,9 +345,11 @@ class Pipeline:
         return self._sync.last_backward()
 
     # running -----------------------------------------------------------------------------------
-    def train_step(self, batch: Any, sync: GradientSync | None = None) -> torch.Tensor:
+    def train_step(self, batch: Any, sync: GradientSync | None = None,
+                   loss_weights: list[float] | None = None) -> torch.Tensor:
         """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank.
-        With `sync`, each stage's gradients are reduced from its last backward on."""
+        With `sync`, each stage's gradients are reduced from its last backward on;
+        `loss_weights` scale each microbatch's loss (context parallelism's shares)."""
         microbatch = split_batch(batch, self.microbatches)[0]
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=True)
@@ -353,7 +357,8 @@ class Pipeline:
         self._sync = sync
         self._holders = Counter(p for params in self._params_by_stage().values() for p in params)
         self._losses = []
-        target = torch.zeros(batch_size(batch), device=self.device)
+        weights = torch.tensor(loss_weights or [1.0] * self.microbatches, device=self.device)
+        target = weights.repeat_interleave(batch_size(batch) // self.microbatches)  # split like the batch
         try:
             schedule.step(batch=batch, target=target, return_outputs=False)
         finally:

@@ -82,10 +82,12 @@ def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: Resol
     return [f"{blocks}.{name}" for name, _ in module.get_submodule(blocks).named_children()]
 
 
-def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan, tp=None) -> list[str]:
+def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan, tp=None,
+                    cp=None) -> list[str]:
     """Mark the modules `recompute_targets` picks; returns their paths. `tp`: the tensor
     parallel executor, whose row-parallel matmuls (full-size partial sums) selective
-    recompute does not keep."""
+    recompute does not keep; `cp`: the context parallel executor, whose attention over the
+    whole sequence the recomputation runs too (backward runs outside the forward's context)."""
     paths = recompute_targets(module, config, resolved)
     selective = None
     if config.recompute == "selective":
@@ -94,19 +96,22 @@ def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: Resolve
     for path in paths:
         target = module.get_submodule(path)
         target.register_forward_pre_hook(functools.partial(_without_cache, path), with_kwargs=True)
-        context_fn = None if selective is None and tp is None else functools.partial(_contexts, path, tp, selective)
+        context_fn = None if selective is None and tp is None and cp is None else \
+            functools.partial(_contexts, path, tp, cp, selective)
         checkpoint(target, context_fn=context_fn, preserve_rng_state=True)  # its hook runs after the one above
     return paths
 
 
-def _contexts(path: str, tp, selective) -> tuple:
+def _contexts(path: str, tp, cp, selective) -> tuple:
     """The forward and recomputation contexts of the module at `path`: selective recompute's
     policy, and, while it is recomputed, its own input conversions off (the checkpoint kept
-    its inputs as they were after them)."""
+    its inputs as they were after them) and attention over the whole sequence under cp."""
     forward, recomputation = selective() if selective is not None else (contextlib.nullcontext(),
                                                                         contextlib.nullcontext())
     if tp is not None:
         recomputation = _together(recomputation, tp.replaying(path))
+    if cp is not None:
+        recomputation = _together(recomputation, cp.attention())
     return forward, recomputation
 
 
