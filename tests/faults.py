@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
-          "pp-random-unscheduled", "gathered-input-reduced-twice")
+          "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
+          "cp-positions-local")
 
 
 def from_environment() -> str | None:
@@ -25,6 +26,7 @@ def from_environment() -> str | None:
 def inject(name: str, config: dict) -> None:
     import shardwise.build as build
     import shardwise.module as module
+    import shardwise.parallel.context as context
     import shardwise.parallel.data as data
     import shardwise.parallel.pipeline as pipeline
     import shardwise.parallel.recompute as recompute
@@ -79,8 +81,7 @@ def inject(name: str, config: dict) -> None:
         original = module.ParallelModule.agree_on_batch
 
         def equal(self, *args, **kwargs):
-            batch, microbatches, _ = original(self, *args, **kwargs)
-            return batch, microbatches, 1.0
+            return original(self, *args, **kwargs)._replace(replica_weight=1.0)
 
         module.ParallelModule.agree_on_batch = equal
     elif name == "recompute-rng-not-restored":  # the recomputation draws fresh dropout masks
@@ -97,5 +98,19 @@ def inject(name: str, config: dict) -> None:
             return out
 
         tensor.TensorParallel.convert_input = forgetting
+    elif name == "cp-attention-local":  # each cp rank's queries attend to its own tokens only
+        context.context_parallel_attention = lambda q, k, v, group, **kwargs: F.scaled_dot_product_attention(
+            q, k, v, **kwargs)
+    elif name == "cp-loss-unweighted":  # cp shards' mean losses averaged whatever their counted tokens
+        context.ContextParallel.loss_weights = lambda self, batch, parts: [1.0] * parts
+    elif name == "cp-positions-local":  # no position_ids: the model numbers a shard's tokens from 0
+        original_shard = context.shard_batch
+
+        def without_positions(*args, **kwargs):
+            local = original_shard(*args, **kwargs)
+            local.pop("position_ids", None)
+            return local
+
+        context.shard_batch = without_positions
     else:
         raise ValueError(f"unknown fault {name!r}; faults: {FAULTS}")

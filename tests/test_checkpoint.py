@@ -61,6 +61,8 @@ def saved(tmp_path_factory):
     (4, {"tp": 4}, "gpt"),
     (4, {"pp": 2, "microbatches": 2}, None),
     (4, {"zero": 3}, None),
+    (4, {"cp": 2, "tp": 2}, "gpt"),
+    (4, {"cp": 2, "dp": 2, "zero": 3}, None),  # ZeRO shards over the dp x cp ranks
     (1, {}, None),
 ])
 def test_load_into_another_layout(saved, tmp_path, world, config, plan):

@@ -210,6 +210,9 @@ def _refusals() -> dict[str, str]:
             found[name] = f"{type(exc).__name__}: {exc}"
 
     pm = sw.parallelize(make("gpt"), config)
+    pm.train_step(batch)
+    found["gathered bytes"] = pm.context_parallel.gathered_bytes
+    found["summary"] = pm.summary()
     attempt("sequence of 14", lambda: pm.train_step({k: v[:, :14] for k, v in batch.items()}))
     attempt("tensor batch", lambda: pm.train_step(batch["input_ids"]))
     attempt("attention_mask", lambda: pm.train_step({**batch, "attention_mask": torch.ones(4, 16)}))
@@ -239,9 +242,15 @@ def test_context_parallel_refusals():
         "eager attention configured": "ModelError: lm computes attention with 'eager'.*attn_implementation='sdpa'",
     }
     ranks = sw.testing.run_on_ranks(_refusals, 2)
+    summaries = [found.pop("summary") for found in ranks]
     assert ranks[0] == ranks[1]
     for name, pattern in expected.items():
         assert re.match(pattern, ranks[0][name], re.S), f"{name}: {ranks[0][name]}"
-    reference = float(make("gpt")(cp_batches(1)[0]))
+    # K/V traffic: per layer K and V, each (cp-1)/cp of the whole sequence's b x s x d_model float32 received
+    gpt = make("gpt").cfg
+    per_layer = 2 * (2 - 1) / 2 * 4 * 16 * gpt.d_model * 4
+    assert ranks[0]["gathered bytes"] == gpt.n_layer * per_layer
+    assert f"{2 * gpt.n_layer} K/V all-gathers, {gpt.n_layer * per_layer / 2**20:.2f} MiB received" in summaries[0]
+    reference = float(make("gpt")(cp_batches(1)[0]).detach())
     # the loss: a weighted sum of two shard means, in float32 (a few ulps of ~4) against one process's
     assert abs(ranks[0]["infer_step loss"] - reference) <= 1e-5 * reference

@@ -36,6 +36,16 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
+def all_gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (not differentiable)."""
+    return _all_gather(x, group, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """The sum over ranks of `x`, this rank's 1/size of it along `dim` (not differentiable)."""
+    return _reduce_scatter(x, group, dim)
+
+
 def _divisible(x: torch.Tensor, dim: int, size: int) -> None:
     if x.shape[dim] % size:
         raise PlanError(

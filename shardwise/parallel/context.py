@@ -38,13 +38,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
 
 from torch.overrides import TorchFunctionMode
 
 from ..batch import leaves, map_tensors, split_batch
 from ..errors import BatchError, ModelError
-from .collectives import enter_parallel
+from .collectives import all_gather_along, reduce_scatter_along
 
 IGNORE_INDEX = -100  # labels equal to it count no token (torch's and Hugging Face's default)
 
@@ -103,31 +102,79 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
             f"attention dropout (dropout_p={dropout_p}) under context parallelism would draw other masks than one "
             "process draws; set the attention dropout to 0 for cp > 1")
     shards = sequence_shards(group)
-    local_len = query.shape[-2]
-    seq_len = local_len * shards.size
-    device = query.device
-    keys = enter_parallel(key, Shard(key.dim() - 2), group)  # backward: reduce-scatter, summing every rank's queries
-    values = enter_parallel(value, Shard(value.dim() - 2), group)
-    query_pos = shards.positions(seq_len, device=device)
-    key_pos = shards.gathered_positions(seq_len, device=device)
-    mask = None
-    if attn_mask is not None:
-        if tuple(attn_mask.shape[-2:]) != (seq_len, seq_len):
-            raise ModelError(
-                f"under context parallelism attn_mask must cover the whole sequence ({seq_len} x {seq_len}), got "
-                f"shape {tuple(attn_mask.shape)}: the model built a mask for its own part of the sequence. Pass no "
-                "attention_mask and let attention be causal (Hugging Face builds a mask from attention_mask=, or "
-                "from position_ids when use_cache=False: keep the default use_cache)")
-        mask = attn_mask.index_select(-2, query_pos).index_select(-1, key_pos)
-    if is_causal:
-        causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    seq_len = query.shape[-2] * shards.size
+    if attn_mask is not None and tuple(attn_mask.shape[-2:]) != (seq_len, seq_len):
+        raise ModelError(
+            f"under context parallelism attn_mask must cover the whole sequence ({seq_len} x {seq_len}), got "
+            f"shape {tuple(attn_mask.shape)}: the model built a mask for its own part of the sequence. Pass no "
+            "attention_mask and let attention be causal (Hugging Face builds a mask from attention_mask=, or "
+            "from position_ids when use_cache=False: keep the default use_cache)")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ModelError("under context parallelism attn_mask cannot require grad (a learned attention bias): "
+                         "its gradient is not computed across sequence shards; detach it or use cp=1")
+    options = _AttentionOptions(group, shards, is_causal, scale, enable_gqa)
+    return _WholeSequenceAttention.apply(query, key, value, attn_mask, options)
+
+
+@dataclass(frozen=True)
+class _AttentionOptions:
+    group: dist.ProcessGroup
+    shards: SequenceShards
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA of this rank's queries over the gathered keys, masks in global positions."""
+        seq_len = keys.shape[-2]
+        query_pos = self.shards.positions(seq_len, device=query.device)
+        key_pos = self.shards.gathered_positions(seq_len, device=query.device)
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.index_select(-2, query_pos).index_select(-1, key_pos)
+        if self.is_causal:
+            causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            if mask is None:
+                mask = causal
+            elif mask.dtype == torch.bool:
+                mask = mask & causal
+            else:
+                mask = mask.masked_fill(~causal, float("-inf"))
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=self.enable_gqa)
+
+
+class _WholeSequenceAttention(torch.autograd.Function):
+    """Attention over gathered K/V that saves only this rank's q, k, v for backward.
+
+    Autograd through SDPA would keep the gathered K and V (the whole sequence's, per layer)
+    and the s/cp x s mask in global positions, which SDPA expands to floats: together more
+    than the rest of a layer's activations at long sequence, so cp would not divide memory
+    by cp. Backward gathers K and V again and recomputes this one attention (as Megatron's
+    selective recompute does for the attention core): one more attention forward and one
+    more all-gather per layer in backward, for memory that falls as 1/cp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, options: _AttentionOptions):
+        ctx.save_for_backward(query, key, value, attn_mask)
+        ctx.options = options
+        dim = key.dim() - 2
+        with torch.no_grad():
+            keys, values = (all_gather_along(t, options.group, dim) for t in (key, value))
+            return options.attend(query, keys, values, attn_mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, attn_mask = ctx.saved_tensors
+        options, dim = ctx.options, key.dim() - 2
+        keys, values = (all_gather_along(t.detach(), options.group, dim).requires_grad_() for t in (key, value))
+        query = query.detach().requires_grad_()
+        with torch.enable_grad():
+            out = options.attend(query, keys, values, attn_mask)
+        dq, dk, dv = torch.autograd.grad(out, (query, keys, values), grad)
+        # each key's gradient sums every rank's queries: reduce-scatter back to the keys' owners
+        return dq, reduce_scatter_along(dk, options.group, dim), reduce_scatter_along(dv, options.group, dim), None, None
 
 
 def sequence_length(batch: Any, size: int, dim: int) -> int:
