@@ -26,6 +26,7 @@ class DemoSettings:
     ranks: int
     tp: int
     pp: int
+    cp: int
     schedule: str
     steps: int
     batch: int
@@ -43,8 +44,13 @@ def _demo_data(settings: DemoSettings):
     tokenizer = CharTokenizer(text)
     vocab = -(-tokenizer.vocab_size // 8) * 8  # padded so tensor parallelism can split it
     gpt_config = GPTConfig(vocab_size=vocab, block_size=32, n_layer=2, n_head=4, d_model=64)
-    batches = list(token_batches(tokenizer.encode(text), settings.batch, 32, settings.steps, seed=settings.seed))
+    batches = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}  # pre-shifted labels (as cp needs)
+               for tokens in token_batches(tokenizer.encode(text), settings.batch, 32, settings.steps, seed=settings.seed)]
     return gpt_config, batches
+
+
+def _samples(batch: dict, start: int, stop: int) -> dict:
+    return {key: value[start:stop] for key, value in batch.items()}
 
 
 def _demo_model(gpt_config, seed: int):
@@ -62,14 +68,14 @@ def _demo_rank(settings: DemoSettings):
     import shardwise as sw
 
     gpt_config, batches = _demo_data(settings)
-    config = ParallelConfig(tp=settings.tp, pp=settings.pp, microbatches=settings.microbatches,
+    config = ParallelConfig(tp=settings.tp, pp=settings.pp, cp=settings.cp, microbatches=settings.microbatches,
                             schedule=settings.schedule)
-    replicas = settings.ranks // (settings.tp * settings.pp)
-    per = batches[0].shape[0] // replicas
+    replicas = settings.ranks // (settings.tp * settings.pp * settings.cp)
+    per = settings.batch // replicas
     plan = "gpt" if settings.tp > 1 else None
 
     def build(seed: int):
-        pmodel = sw.parallelize(_demo_model(gpt_config, seed), config, plan=plan, sample=batches[0][:per])
+        pmodel = sw.parallelize(_demo_model(gpt_config, seed), config, plan=plan, sample=_samples(batches[0], 0, per))
         return pmodel, sw.build_optimizer(pmodel, torch.optim.AdamW, lr=settings.lr)
 
     pmodel, optimizer = build(settings.seed)
@@ -85,7 +91,7 @@ def _demo_rank(settings: DemoSettings):
                 pmodel, optimizer = build(settings.seed + 1)
                 sw.load_checkpoint(settings.checkpoint, pmodel, optimizer)
                 bar.write(f"step {step}: saved and resumed from {settings.checkpoint}")
-            loss = pmodel.train_step(batch[replica * per:(replica + 1) * per])
+            loss = pmodel.train_step(_samples(batch, replica * per, (replica + 1) * per))
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))
@@ -137,7 +143,9 @@ def main() -> None:
 @click.option("--ranks", default=4, show_default=True, type=POSITIVE, help="Local processes to train on.")
 @click.option("--tp", default=1, show_default=True, type=POSITIVE, help="Tensor-parallel degree (the zoo 'gpt' plan).")
 @click.option("--pp", default=1, show_default=True, type=POSITIVE,
-              help="Pipeline-parallel degree; dp = ranks / (tp * pp).")
+              help="Pipeline-parallel degree.")
+@click.option("--cp", default=1, show_default=True, type=POSITIVE,
+              help="Context-parallel degree: each sequence split over cp ranks; dp = ranks / (tp * pp * cp).")
 @click.option("--schedule", default="1f1b", show_default=True,
               type=click.Choice(list(SCHEDULES)), help="Pipeline schedule.")
 @click.option("--steps", default=40, show_default=True, type=POSITIVE, help="Optimizer steps.")
@@ -148,18 +156,18 @@ def main() -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
 @click.option("--checkpoint", default=None, help="Checkpoint directory (default: a temporary one).")
-def demo(ranks: int, tp: int, pp: int, schedule: str, steps: int, batch: int, microbatches: int, lr: float,
+def demo(ranks: int, tp: int, pp: int, cp: int, schedule: str, steps: int, batch: int, microbatches: int, lr: float,
          seed: int, backend: str, checkpoint: str | None) -> None:
-    """Train the reference GPT on local ranks (data, tensor, pipeline parallel), then on one process, and compare."""
+    """Train the reference GPT on local ranks (data, tensor, pipeline, context parallel), then on one process, and compare."""
     from .testing import run_on_ranks
 
-    if ranks % (tp * pp):
-        raise click.BadParameter(f"--tp {tp} x --pp {pp} must divide --ranks {ranks}")
-    replicas = ranks // (tp * pp)
+    if ranks % (tp * pp * cp):
+        raise click.BadParameter(f"--tp {tp} x --pp {pp} x --cp {cp} must divide --ranks {ranks}")
+    replicas = ranks // (tp * pp * cp)
     if batch % (replicas * microbatches):
         raise click.BadParameter(f"--batch {batch} must be a multiple of replicas*microbatches = {replicas * microbatches}")
     with tempfile.TemporaryDirectory() as scratch:
-        settings = DemoSettings(ranks, tp, pp, schedule, steps, batch, microbatches, lr, seed, backend,
+        settings = DemoSettings(ranks, tp, pp, cp, schedule, steps, batch, microbatches, lr, seed, backend,
                                 checkpoint or str(Path(scratch) / "checkpoint"))
         click.echo(f"shardwise demo: {asdict(settings)}")
         result = run_on_ranks(_demo_rank, ranks, settings, backend=backend, timeout=1800)[0]

@@ -68,8 +68,8 @@ def summary(pmodel: "ParallelModule", batch: Any = None) -> str:
     cp = pmodel.context_parallel
     if cp is not None:
         traffic = (f"{cp.gathers} K/V all-gathers, {cp.gathered_bytes / MiB:.2f} MiB received per rank in the last "
-                   "train_step (as much reduce-scattered in its backward)" if cp.gathers else
-                   "K/V traffic is counted from the first train_step")
+                   "train_step's forward (its backward gathers them again and reduce-scatters as many bytes of "
+                   "gradients)" if cp.gathers else "K/V traffic is counted from the first train_step")
         lines.append(f"  context par. sequences split over cp ranks {pmodel.topology.group_ranks('cp')} in "
                      f"{2 * cp.shards.size} load-balanced chunks along dim {cp.sequence_dim}; {traffic}")
     if pmodel.pipeline is not None:
