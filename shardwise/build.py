@@ -28,7 +28,7 @@ from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
-from .parallel.context import ContextParallel, SequenceShards, check_attention, shard_batch
+from .parallel.context import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
 from .parallel.data import apply_data_parallel
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
@@ -250,6 +250,8 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
         raise ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch "
                          f"(pipeline stages are laid out from one forward of it): {exc}") from exc
+    if config.cp > 1:
+        refuse_shifted_labels(program.steps)
     layout = layout_stages(module, plan, config, program)
     split(program, layout.stage_of, layout.num_stages)  # values flowing against the stage order are refused now
     return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout)

@@ -254,3 +254,15 @@ def test_context_parallel_refusals():
     reference = float(make("gpt")(cp_batches(1)[0]).detach())
     # the loss: a weighted sum of two shard means, in float32 (a few ulps of ~4) against one process's
     assert abs(ranks[0]["infer_step loss"] - reference) <= 1e-5 * reference
+
+
+def test_labels_shifted_by_the_model_are_refused_under_pp():
+    """Under pp the loss is glue code replayed at the aten level, out of the routing mode's
+    sight: the captured program is checked instead (parallelize does it before any stage runs)."""
+    from shardwise.parallel.context import refuse_shifted_labels
+    from shardwise.parallel.stage_program import capture_module
+
+    shard = {k: v[:2, :8].contiguous() for k, v in cp_batches(1)[0].items()}
+    with pytest.raises(ModelError, match="shifts its labels itself.*shift_labels="):
+        refuse_shifted_labels(capture_module(make_zoo_model("llama"), shard, None)[0].steps)
+    refuse_shifted_labels(capture_module(make("llama"), shard, None)[0].steps)  # shift_labels=: accepted

@@ -13,8 +13,10 @@ training did), not ring attention or all-to-all over heads.
   is a reduce-scatter, which sums every rank's contribution to each key's gradient.
 - GQA costs nothing extra: K and V travel with their own (fewer) heads and are not repeated
   before the gather (`enable_gqa`).
-- Memory is O(s · h_kv · d) per layer for the gathered K and V, the same order as one
-  layer's activations at sequence s; ring attention would save that at the price of cp
+- Memory: the gathered K and V, O(s · h_kv · d), exist only while one layer's attention
+  runs (forward, and again in its backward, which gathers them anew rather than keeping
+  them: see `_WholeSequenceAttention`); what a layer keeps for backward is 1/cp of one
+  rank's. Ring attention would avoid even the transient gather at the price of cp
   dependent steps with online-softmax merging per layer. torch's `context_parallel` (ring,
   in `torch.distributed.tensor.experimental`) rewrites SDPA through DTensor dispatch and
   is experimental; the gather keeps one exact code path on every backend.
@@ -43,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import leaves, map_tensors, split_batch
 from ..errors import BatchError, ModelError
+from ..tensors import op_name
 from .collectives import all_gather_along, reduce_scatter_along
 
 IGNORE_INDEX = -100  # labels equal to it count no token (torch's and Hugging Face's default)
@@ -230,6 +233,16 @@ def check_attention(module: torch.nn.Module) -> None:
                 "model with attn_implementation='sdpa'")
 
 
+def refuse_shifted_labels(steps: list) -> None:
+    """Under pp, the loss is glue code replayed as aten ops, out of the routing mode's sight:
+    refuse a captured program that pads an integer tensor with the ignore index (Hugging
+    Face's label shift) the way the mode refuses it in a forward."""
+    for step in steps:
+        if step.func is not None and op_name(step.func) == "constant_pad_nd" and len(step.args) > 2 \
+                and step.args[2] == IGNORE_INDEX:
+            raise ModelError(_SHIFTED_LABELS)
+
+
 class ContextParallel:
     """cp > 1 for one module: batch shards, loss weights, attention across shards (see the
     module docstring). `gathered_bytes` / `gathers` count the K/V all-gathers of the current
@@ -257,9 +270,10 @@ class ContextParallel:
         raises the same error for a shard with no counted label (its mean would be 0/0)."""
         weights = []
         size, dim = self.shards.size, self.sequence_dim
-        for index, part in enumerate(split_batch(batch, parts)):
-            labels = part["labels"]
-            counted = [int((self.shards.split_for(labels, dim, rank) != IGNORE_INDEX).sum()) for rank in range(size)]
+        parts_labels = [part["labels"] for part in split_batch(batch, parts)]
+        counts = torch.stack([torch.stack([(self.shards.split_for(labels, dim, rank) != IGNORE_INDEX).sum()
+                                           for rank in range(size)]) for labels in parts_labels]).tolist()  # one sync
+        for index, (labels, counted) in enumerate(zip(parts_labels, counts)):
             total = sum(counted)
             empty = [rank for rank, n in enumerate(counted) if n == 0]
             if total and empty:
@@ -337,12 +351,15 @@ class _ShardedAttention(TorchFunctionMode):
                 "computed by hand over this rank's keys only; call torch.nn.functional.scaled_dot_product_attention "
                 "(Hugging Face: attn_implementation='sdpa'), which shardwise computes over the whole sequence")
         if func is F.pad and _shifts_labels(args, kwargs):
-            raise ModelError(
-                f"under context parallelism the model shifts its labels itself (padding them with {IGNORE_INDEX}, as "
-                "Hugging Face does for labels=): across sequence shards that pairs tokens with the wrong targets. "
-                "Pass pre-shifted labels as shift_labels= (Hugging Face: model(..., labels=labels, "
-                "shift_labels=labels)) or compute the loss from labels[:, t] as the target of position t")
+            raise ModelError(_SHIFTED_LABELS)
         return func(*args, **kwargs)
+
+
+_SHIFTED_LABELS = (
+    f"under context parallelism the model shifts its labels itself (padding them with {IGNORE_INDEX}, as Hugging "
+    "Face does for labels=): across sequence shards that pairs tokens with the wrong targets. Pass pre-shifted "
+    "labels as shift_labels= (Hugging Face: model(..., labels=labels, shift_labels=labels)) or compute the loss "
+    "from labels[:, t] as the target of position t")
 
 
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
