@@ -12,6 +12,11 @@ the schedule, not the machine. For each schedule, p in {2, 4} and m in {4, 8}: t
 1 - (time this rank spent computing) / (step time), averaged over ranks, next to
 (p-1)/(m+p-1) (interleaved, v stages per rank: (p-1)/(v*m+p-1)), and the peak number of
 microbatches whose activations were alive at once on each stage (1F1B: at most p - stage).
+
+The `torch` column is the reference: the same blocks split by hand into torch's own
+PipelineStages and run by torch's schedule class, the loss broadcast from the last stage
+as train_step does; it is what torch's executor alone costs on this machine, so the gap
+between theory and shardwise splits into torch's part and ours.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 import shardwise as sw
 from shardwise.parallel.pipeline import PipelineStats
@@ -89,6 +95,63 @@ class Stack(nn.Module):
         return x.pow(2).mean()
 
 
+class HandSplit(nn.Module):
+    """Blocks [first, last) of a Stack (with its offset on stage 0): a stage written by hand."""
+
+    def __init__(self, stack: Stack, first: int, last: int):
+        super().__init__()
+        self.embed = stack.embed if first == 0 else None
+        self.blocks = nn.ModuleList(stack.blocks[first:last])
+
+    def forward(self, x):
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _timed(run, blocks, steps: int) -> float:
+    """The best bubble over `steps` runs of `run()` on this rank."""
+    run()  # warm-up
+    bubbles = []
+    for _ in range(steps):
+        for b in blocks:
+            b.clock[0] = 0.0
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+        bubbles.append(1 - sum(b.clock[0] for b in blocks) / wall)
+    return min(bubbles)
+
+
+def _torch_native(args, schedule: str, m: int, virtual: int) -> float:
+    """The bubble of torch's schedule running hand-split PipelineStages of the same Stack."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    stack = Stack(args.blocks, 16, args.ms)
+    num_stages = pp * virtual
+    per = args.blocks // num_stages
+    example = torch.randn(2, 16)
+    stages = [PipelineStage(HandSplit(stack, s * per, (s + 1) * per), s, num_stages, torch.device("cpu"),
+                            input_args=(example.clone().requires_grad_(s > 0),),
+                            output_args=(example.clone().requires_grad_(),))
+              for s in range(rank, num_stages, pp)]
+    losses = []
+    cls = sw.config.SCHEDULES[schedule].torch_class
+    runner = cls(stages if virtual > 1 else stages[0], m, loss_fn=lambda out, _: out.pow(2).mean())
+    x, target = torch.randn(2 * m, 16), torch.zeros(2 * m)
+
+    def run():
+        losses.clear()
+        runner.step(x, target=target, losses=losses) if rank == 0 else runner.step(target=target, losses=losses)
+        mean = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)
+        dist.broadcast(mean, src=pp - 1)
+
+    mine = torch.tensor([_timed(run, [b for st in stages for b in st.submod.blocks], args.steps)])
+    dist.all_reduce(mine)
+    return float(mine) / pp
+
+
 def _bench(args):
     pp = dist.get_world_size()
     rows = []
@@ -97,28 +160,15 @@ def _bench(args):
             batch = {"x": torch.randn(2 * m, 16)}
             pm = sw.parallelize(Stack(args.blocks, 16, args.ms), sw.ParallelConfig(pp=pp, microbatches=m, schedule=schedule),
                                 sample=batch)
-            opt = sw.build_optimizer(pm, torch.optim.SGD, lr=0.0)
-            pm.train_step(batch)  # warm-up
-            opt.zero_grad()
-            bubbles = []
-            for _ in range(args.steps):
-                blocks = [b for b in pm.module.blocks if b.weight is not None]
-                for b in blocks:
-                    b.clock[0] = 0.0
-                pm.pipeline.stats = PipelineStats()
-                dist.barrier()
-                start = time.perf_counter()
-                pm.train_step(batch)
-                wall = time.perf_counter() - start
-                opt.zero_grad()
-                busy = sum(b.clock[0] for b in blocks)
-                bubbles.append(1 - busy / wall)
-            mine = torch.tensor([min(bubbles)])
+            blocks = [b for b in pm.module.blocks if b.weight is not None]
+            pm.pipeline.stats = PipelineStats()
+            mine = torch.tensor([_timed(lambda: pm.train_step(batch), blocks, args.steps)])
             dist.all_reduce(mine)
             peaks = [None] * pp
             dist.all_gather_object(peaks, pm.pipeline.stats.peak_alive)
             virtual = pm.pipeline.layout.virtual
-            rows.append((schedule, pp, m, virtual, float(mine) / pp, (pp - 1) / (virtual * m + pp - 1),
+            native = _torch_native(args, schedule, m, virtual)
+            rows.append((schedule, pp, m, virtual, float(mine) / pp, native, (pp - 1) / (virtual * m + pp - 1),
                          {s: n for p in peaks for s, n in p.items()}))
     return rows
 
@@ -131,12 +181,13 @@ def main() -> None:
     args = parser.parse_args()
     print(f"pipeline schedules: {args.blocks} blocks, {args.ms} ms per block for forward, input-grad and weight-grad; "
           "bubble = 1 - compute time / step time, mean over ranks (best of steps)")
-    print(f"{'schedule':<18} {'p':>2} {'m':>2} {'v':>2} {'bubble':>8} {'theory':>8}   peak microbatches alive per stage")
+    print(f"{'schedule':<18} {'p':>2} {'m':>2} {'v':>2} {'bubble':>8} {'torch':>8} {'theory':>8}   "
+          "peak microbatches alive per stage")
     for pp in (2, 4):
-        for schedule, p, m, v, bubble, theory, peaks in sw.testing.run_on_ranks(_bench, pp, args, timeout=1800)[0]:
+        for schedule, p, m, v, bubble, native, theory, peaks in sw.testing.run_on_ranks(_bench, pp, args, timeout=1800)[0]:
             note = "  (theory: interleaved 1F1B; zero-bubble aims lower)" if schedule == "zero-bubble" else ""
             alive = " ".join(str(peaks[s]) for s in sorted(peaks))
-            print(f"{schedule:<18} {p:>2} {m:>2} {v:>2} {bubble:>8.3f} {theory:>8.3f}   {alive}{note}")
+            print(f"{schedule:<18} {p:>2} {m:>2} {v:>2} {bubble:>8.3f} {native:>8.3f} {theory:>8.3f}   {alive}{note}")
 
 
 if __name__ == "__main__":
