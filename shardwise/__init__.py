@@ -19,6 +19,7 @@ from .build import parallelize
 from .module import DataParallelInfo, ParallelModule, data_parallel_info
 from .optim import build_optimizer
 from .plan import Plan
+from .planner import Cluster
 from .topology import Topology, init_distributed
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "ActivationMemory",
     "BatchError",
     "CheckpointError",
+    "Cluster",
     "CommunicationError",
     "ConfigError",
     "DataParallelInfo",

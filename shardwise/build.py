@@ -45,7 +45,7 @@ from .topology import Topology, init_distributed
 
 def parallelize(
     module: nn.Module,
-    config: ParallelConfig | None = None,
+    config: ParallelConfig | str | None = None,
     plan: Plan | dict | str | Path | None = None,
     sample: Any = None,
 ) -> ParallelModule:
@@ -55,7 +55,8 @@ def parallelize(
     Replicas start from the first data-parallel rank's parameter values. `plan` is a
     `Plan`, a dict (also veScale's form), a zoo name (`sw.plan.zoo`), a .json path, or
     None (replicate everything). `sample` (an example batch) is used by layouts that need
-    shapes ahead of time.
+    shapes ahead of time. config="auto" lets the planner choose the layout for this world
+    (`sample` is then one replica's batch); plan="auto" with a config takes the model's zoo plan.
 
     Everything that can be wrong is checked on each rank first; then the ranks agree, so a
     problem found on any rank (a plan file missing on one machine, a different model on
@@ -98,8 +99,12 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
             f"{type(module).__name__} has no trainable parameters (none, or all requires_grad=False); "
             "shardwise parallelizes training, so give the module at least one parameter that requires grad"
         )
+    if config == "auto" or plan == "auto":
+        from .planner.auto import auto_layout
+
+        config, plan = auto_layout(module, config, plan, sample, dist.get_world_size())
     if not isinstance(config, ParallelConfig):
-        raise ConfigError(f"config must be a sw.ParallelConfig, got {type(config).__name__}")
+        raise ConfigError(f"config must be a sw.ParallelConfig or 'auto', got {type(config).__name__}")
     check_materializable(module)
     if config.cp > 1:
         check_attention(module)

@@ -207,3 +207,70 @@ def merge(checkpoint: str, out: str, optimizer: bool) -> None:
     (.safetensors or .pt) that the original module loads with load_state_dict."""
     path = merge_checkpoint(checkpoint, out, optimizer=optimizer)
     click.echo(f"wrote {path}" + (f" and {path}.optimizer.pt" if optimizer else ""))
+
+
+def _count(text: str) -> int:
+    """'16M', '512K', '2G' or a plain integer."""
+    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        value = int(digits) * scale
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a count like 16M, 512K or 4096") from None
+    if value < 1:
+        raise click.BadParameter(f"{text!r} must be positive")
+    return value
+
+
+def _plan_model(name: str):
+    """A name from the planner's table, or `package.module:factory` built on the meta device."""
+    from .planner import MODELS
+
+    if name in MODELS or ":" not in name:
+        return name
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot import {name!r}: {exc}") from None
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        return factory()
+
+
+@main.command()
+@click.option("--model", "model_name", required=True,
+              help="A known model (llama3-8b, llama3-70b, llama3-405b, qwen2-7b, mistral-7b, gpt2) or pkg.module:factory.")
+@click.option("--gpus", required=True, type=POSITIVE, help="GPUs (or local ranks with --device local).")
+@click.option("--device", default="h100", show_default=True, help="h100, h200, a100, b200 or local.")
+@click.option("--gpus-per-node", default=8, show_default=True, type=POSITIVE)
+@click.option("--seq", "seq_len", required=True, type=POSITIVE, help="Tokens per sequence.")
+@click.option("--global-tokens", default=None, help="Tokens per optimizer step, e.g. 16M.")
+@click.option("--global-batch", default=None, type=POSITIVE, help="Sequences per optimizer step.")
+@click.option("--top", default=10, show_default=True, type=POSITIVE)
+@click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON.")
+@click.option("--explain", "explain_first", is_flag=True, help="Also print the best candidate's breakdown.")
+def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: int, global_tokens: str | None,
+         global_batch: int | None, top: int, as_json: bool, explain_first: bool) -> None:
+    """Rank the layouts of a model on a cluster by predicted step time, among those predicted to fit."""
+    import json
+
+    from .planner import Cluster, search
+    from .planner.format import as_json as to_json
+    from .planner.format import table
+
+    if (global_tokens is None) == (global_batch is None):
+        raise click.UsageError("give one of --global-tokens and --global-batch")
+    cluster = Cluster.local(gpus) if device == "local" else Cluster(gpus, gpus_per_node=gpus_per_node, device=device)
+    result = search(_plan_model(model_name), cluster, global_batch=global_batch, seq_len=seq_len,
+                    global_tokens=_count(global_tokens) if global_tokens else None, top=top, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(to_json(result), indent=1))
+        return
+    if not result:
+        raise click.ClickException(f"no layout of {model_name} fits {gpus} x {device} at seq {seq_len} "
+                                   f"({result.evaluated} evaluated); add GPUs or shorten the sequence")
+    click.echo(table(result))
+    if explain_first:
+        click.echo("\n" + result[0].explain())

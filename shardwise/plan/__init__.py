@@ -1,4 +1,5 @@
-"""Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data."""
+"""Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data;
+`search` finds one automatically (shardwise/planner/)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ from pathlib import Path
 
 from ..config import ParallelConfig
 from ..errors import PlanError
+from ..planner.search import search
 from .named import zoo
 from .plan import Conversion, Plan, parse_placement, placement_str, shard_dim
 from .resolve import ResolvedPlan, resolve_plan
 
-__all__ = ["Conversion", "Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "shard_dim", "zoo"]
+__all__ = ["Conversion", "Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "search",
+           "shard_dim", "zoo"]
 
 
 def as_plan(plan: "Plan | dict | str | Path | None", config: ParallelConfig) -> Plan:

@@ -1,0 +1,189 @@
+"""The planner's predictions against measurements, its speed, and its choices at scale.
+
+    python bench/planner.py [--quick]
+
+1. Memory: layouts of the reference GPT and a Hugging Face Llama on 1-8 local gloo ranks.
+   On each rank, after a training step and an AdamW step: parameters + gradients +
+   optimizer state (`pm.memory()`) + the bytes one microbatch saves for backward
+   (`sw.activation_memory`), against the planner's prediction for that rank's pipeline
+   position (first or last stage; middle stages of pp=4 are not compared). Prints every
+   layout's error, the worst and the median.
+2. Speed: the whole search space for llama3-405b on 16,384 H100s and llama3-70b on 1,024.
+3. Quality: the top choice against an exhaustive scalar re-evaluation, and Meta's published
+   Llama 3 405B layouts (arXiv 2407.21783, Table 4) predicted in the same cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+
+import shardwise as sw
+from shardwise.models import GPT, GPTConfig
+from shardwise.planner import Cluster, model_spec, search
+from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES, Layout, evaluate
+from shardwise.planner.format import table
+
+SEQ, MICRO, VOCAB, WIDTH, HEADS, LAYERS = 64, 8, 64, 64, 4, 4
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM as an end2end module (forward(batch) -> loss)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
+                       shift_labels=batch["labels"]).loss
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=WIDTH))
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS,
+                                      num_key_value_heads=HEADS // 2, num_hidden_layers=LAYERS,
+                                      intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
+    config._attn_implementation = "sdpa"
+    return CausalLM(transformers.LlamaForCausalLM(config))
+
+
+# (model, world, config): each group of one world size runs in one spawn
+LAYOUTS = [
+    ("gpt", 1, {}), ("gpt", 1, {"recompute": "selective"}), ("gpt", 1, {"recompute": "full"}),
+    ("llama", 1, {}), ("llama", 1, {"recompute": "selective"}),
+    ("gpt", 2, {"dp": 2}), ("gpt", 2, {"dp": 2, "zero": 1}), ("gpt", 2, {"dp": 2, "zero": 2}),
+    ("gpt", 2, {"dp": 2, "zero": 3}), ("gpt", 2, {"tp": 2}), ("gpt", 2, {"tp": 2, "sequence_parallel": True}),
+    ("gpt", 2, {"tp": 2, "sequence_parallel": True, "recompute": "selective"}), ("gpt", 2, {"tp": 2, "recompute": "full"}),
+    ("gpt", 2, {"pp": 2, "microbatches": 2}), ("gpt", 2, {"pp": 2, "microbatches": 2, "schedule": "gpipe"}),
+    ("gpt", 2, {"cp": 2}), ("llama", 2, {"tp": 2}), ("llama", 2, {"tp": 2, "sequence_parallel": True}),
+    ("llama", 2, {"dp": 2, "zero": 2}), ("llama", 2, {"pp": 2, "microbatches": 2}), ("llama", 2, {"cp": 2}),
+    ("llama", 2, {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
+    ("gpt", 4, {"dp": 2, "tp": 2}), ("gpt", 4, {"tp": 2, "pp": 2, "microbatches": 2}),
+    ("gpt", 4, {"dp": 2, "pp": 2, "zero": 1, "microbatches": 2}), ("gpt", 4, {"tp": 4, "sequence_parallel": True}),
+    ("gpt", 4, {"cp": 2, "dp": 2}), ("gpt", 4, {"dp": 4, "zero": 3}),
+    ("llama", 4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}), ("llama", 4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    ("llama", 4, {"tp": 2, "pp": 2, "microbatches": 2, "recompute": "selective"}),
+    ("gpt", 8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}), ("llama", 8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "zero": 2}),
+]
+
+
+def _batch(microbatches: int) -> dict:
+    ids = torch.randint(0, VOCAB, (MICRO * microbatches, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]]:
+    """On this rank, per case: (pp rank, pp, model-state bytes, one microbatch's saved bytes)."""
+    out = []
+    for kind, options in cases:
+        config = sw.ParallelConfig(**options)
+        batch = _batch(config.microbatches)
+        plan = "gpt" if kind == "gpt" else "llama"
+        pm = sw.parallelize(build(kind), config, plan=plan if config.tp > 1 else None, sample=batch)
+        opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+        pm.train_step(batch)
+        opt.step()
+        states = sum(pm.memory().values())
+        saved = sw.activation_memory(pm, batch).total
+        out.append((pm.topology.pp_rank, config.pp, float(states), float(saved)))
+    return out
+
+
+def predict(kind: str, options: dict, model: nn.Module, world: int):
+    """The planner's (first stage, last stage) prediction of (states, one microbatch's activations)."""
+    config = sw.ParallelConfig(**options).resolve(world)
+    a = np.asarray
+    layout = Layout(dp=a(config.dp), tp=a(config.tp), pp=a(config.pp), cp=a(config.cp), zero=a(config.zero),
+                    recompute=a(RECOMPUTE_CODES[config.recompute]), sp=a(int(config.sequence_parallel)),
+                    micro_batch=a(MICRO), microbatches=a(config.microbatches),
+                    schedule=a(SCHEDULE_CODES[config.schedule]), virtual=a(1), param_bytes=a(4))
+    cost = evaluate(model_spec(model), Cluster.local(world), layout, SEQ)
+    return ((float(cost.states_first), float(cost.microbatch_first)),
+            (float(cost.states_last), float(cost.microbatch_last)))
+
+
+def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
+    """Relative errors of predicted against measured bytes, per layout on its worst rank:
+    (name, total, model states, one microbatch's activations)."""
+    errors = []
+    for world in sorted({w for _, w, _ in layouts}):
+        group = [(kind, options) for kind, w, options in layouts if w == world]
+        measured = sw.testing.run_on_ranks(measure, world, group, timeout=1200)
+        for i, (kind, options) in enumerate(group):
+            first, last = predict(kind, options, build(kind), world)
+            worst = [0.0, 0.0, 0.0]
+            for rank_values in measured:
+                pp_rank, pp, states, saved = rank_values[i]
+                if 0 < pp_rank < pp - 1:
+                    continue
+                want_states, want_saved = first if pp_rank == 0 else last
+                errors_here = ((want_states + want_saved) / (states + saved) - 1, want_states / states - 1,
+                               want_saved / saved - 1)
+                worst = [max(w, e, key=abs) for w, e in zip(worst, errors_here)]
+            name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items())
+            print(f"  {name:<78} total {worst[0]:+7.2%}  (states {worst[1]:+7.2%}, activations {worst[2]:+7.2%})")
+            errors.append((name, *worst))
+    return errors
+
+
+def meta_layouts() -> None:
+    """Llama 3 405B on 16,384 H100s: Meta's layouts (arXiv 2407.21783, Table 4) and ours."""
+    spec, cluster = model_spec("llama3-405b"), Cluster(16384, device="h100")
+    print(f"{'seq':>6} {'layout':<70} {'fits':>5} {'mem GiB':>8} {'MFU pred':>9} {'published':>10} {'step s':>8}")
+    for seq, tp, cp, pp, dp, published in ((8192, 8, 1, 16, 128, 0.41), (131072, 8, 16, 16, 8, 0.38)):
+        batch = 16 * 2 ** 20 // seq
+        best = None
+        for sched, v in ((1, 1), (2, 2), (2, 4), (2, 8)):
+            for rc in (0, 1, 2):
+                for zero in (1, 2):
+                    a = np.asarray
+                    layout = Layout(dp=a(dp), tp=a(tp), pp=a(pp), cp=a(cp), zero=a(zero), recompute=a(rc), sp=a(1),
+                                    micro_batch=a(1), microbatches=a(batch // dp), schedule=a(sched), virtual=a(v),
+                                    param_bytes=a(2))
+                    cost = evaluate(spec, cluster, layout, seq)
+                    if float(cost.memory) <= cluster.usable_bytes and (best is None or cost.step_seconds < best[0].step_seconds):
+                        best = (cost, f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} v{v} rc{rc}")
+        ours = search(spec, cluster, global_batch=batch, seq_len=seq, top=1)[0]
+        cost, name = best
+        mfu = float(cost.model_flops / (cost.step_seconds * cluster.gpus * cluster.spec.peak_flops))
+        print(f"{seq:>6} {name:<70} {'yes':>5} {float(cost.memory) / 2**30:>8.1f} {mfu:>9.1%} {published:>10.0%} "
+              f"{float(cost.step_seconds):>8.2f}")
+        print(f"{seq:>6} {'ours: ' + ours.layout():<70} {'yes':>5} {ours.memory / 2**30:>8.1f} {ours.mfu:>9.1%} "
+              f"{'':>10} {ours.step_seconds:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="memory validation on worlds 1 and 2 only")
+    args = parser.parse_args()
+    layouts = [x for x in LAYOUTS if not args.quick or x[1] <= 2]
+    print(f"memory: {len(layouts)} layouts, predicted vs measured bytes per rank (states + one microbatch's activations)")
+    errors = memory_validation(layouts)
+    for column, label in ((1, "total"), (2, "model states"), (3, "activations")):
+        magnitudes = [abs(e[column]) for e in errors]
+        print(f"{label}: worst {max(magnitudes):.2%}, median {statistics.median(magnitudes):.2%} over {len(errors)} layouts")
+    print()
+
+    for name, gpus, tokens in (("llama3-405b", 16384, 16 * 2 ** 20), ("llama3-70b", 1024, 4 * 2 ** 20)):
+        start = time.perf_counter()
+        result = search(name, Cluster(gpus), global_tokens=tokens, seq_len=8192, top=5)
+        elapsed = time.perf_counter() - start
+        print(f"{name} on {gpus} H100s, seq 8192, {tokens // 2**20}M tokens per step: {elapsed:.2f} s")
+        print(table(result))
+        print()
+    print(result[0].explain())
+    print()
+    meta_layouts()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The machines a plan runs on: device memory, peak FLOP/s and link bandwidths.
+
+The table holds vendors' datasheet numbers (dense bf16 tensor FLOP/s, HBM size) and the
+bus bandwidth a ring collective reaches over NVLink inside a node and over the network
+between nodes (per GPU, one direction). Any field can be overridden:
+`Cluster(gpus=64, device="h100", inter_node_gbps=25)`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense, in the compute dtype below
+    intra_node_bw: float  # bytes/s per GPU inside a node (NVLink), one direction
+    inter_node_bw: float  # bytes/s per GPU between nodes (InfiniBand / RoCE), one direction
+    dtype_bytes: int = 2  # bf16
+
+
+DEVICES = {
+    "h100": Device("h100", 80 * GB, 989e12, 450 * GB, 50 * GB),
+    "h200": Device("h200", 141 * GB, 989e12, 450 * GB, 50 * GB),
+    "a100": Device("a100", 80 * GB, 312e12, 300 * GB, 25 * GB),
+    "b200": Device("b200", 192 * GB, 2250e12, 900 * GB, 50 * GB),
+    # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
+    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, dtype_bytes=4),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`gpus` devices of kind `device`, `gpus_per_node` per node; None fields come from
+    the device table. `memory_fraction` of each device's memory is usable (the rest is the
+    runtime's, the allocator's fragmentation and the framework's buffers)."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    device: str = "h100"
+    memory_bytes: float | None = None
+    peak_flops: float | None = None
+    intra_node_bw: float | None = None
+    inter_node_bw: float | None = None
+    memory_fraction: float = 0.9
+    spec: Device = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not in the planner's table; use one of {', '.join(DEVICES)} "
+                              "and override memory_bytes / peak_flops / *_bw for another")
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ConfigError(f"gpus={self.gpus!r} must be a positive integer")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} must be a positive integer")
+        base = DEVICES[self.device]
+        spec = Device(base.name, self.memory_bytes or base.memory_bytes, self.peak_flops or base.peak_flops,
+                      self.intra_node_bw or base.intra_node_bw, self.inter_node_bw or base.inter_node_bw,
+                      base.dtype_bytes)
+        if spec.memory_bytes <= 0:
+            raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
+        object.__setattr__(self, "spec", spec)
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.spec.memory_bytes * self.memory_fraction
+
+    def bandwidth(self, group_span):
+        """Per-GPU bandwidth of a collective over ranks spanning `group_span` consecutive
+        ranks (an array or a number): inside a node while they fit in one, else the network's."""
+        return np.where(np.asarray(group_span) <= self.gpus_per_node, self.spec.intra_node_bw, self.spec.inter_node_bw)
+
+    @classmethod
+    def local(cls, ranks: int | None = None) -> "Cluster":
+        """This machine's ranks (the world size when launched, else the CPU count), sharing
+        its memory."""
+        if ranks is None:
+            import torch.distributed as dist
+
+            ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else os.cpu_count() or 1
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls(gpus=ranks, gpus_per_node=ranks, device="local", memory_bytes=total / ranks)

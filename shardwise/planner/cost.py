@@ -1,0 +1,226 @@
+"""The cost model: bytes per rank and seconds per step of a layout, analytic and explainable.
+
+One function, `evaluate`, computes every term with numpy broadcasting, so the search
+evaluates a whole grid of layouts at once and `explain()` evaluates one with the same code.
+
+Memory (bytes on the busiest pipeline rank: the first, which keeps the most microbatches in
+flight and the embedding, or the last, which keeps the logits):
+- parameters: this rank's blocks and end pieces, sharded parts / tp; / (dp*cp) at ZeRO-3;
+- gradients: as parameters, in the reduce dtype; / (dp*cp) at ZeRO-2 and 3;
+- optimizer: Adam's two float32 moments (+ float32 master weights under bf16), / (dp*cp)
+  from ZeRO-1 on;
+- activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
+  measured against `sw.activation_memory` in tests/test_activations.py and
+  bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
+  keep, times the microbatches a pipeline schedule holds at once;
+- buffers: ZeRO-3's gathered parameters of two blocks.
+
+Time: compute (training FLOPs 6N + 6Lhs per token, + a forward under full recompute, over
+`EFFICIENCY` of peak), tensor-parallel collectives (4 per block and microbatch, 6 under
+full recompute; ring all-reduce moves 2(n-1)/n of the bytes, all-gather/reduce-scatter
+(n-1)/n), context-parallel K/V all-gathers (forward, backward re-gather, gradient
+reduce-scatter), pipeline p2p on the critical path, the bubble (p-1)/(v*m) of the
+pipelined time (v = 1 for GPipe and 1F1B; a third of it for zero-bubble, whose split
+backward fills most of it), and the data-parallel gradient reduction (ZeRO-3: parameter
+all-gathers per microbatch too) beyond what overlaps the last backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .model import ModelSpec
+
+# Fraction of peak FLOP/s a transformer block's matmuls reach at scale; calibrated so that
+# Llama 3 405B on 16,384 H100s in Meta's layout predicts its published 41% MFU within a few
+# points (bench/planner.py prints the comparison).
+EFFICIENCY = 0.62
+# Selective recompute reruns the elementwise ops of a block (norms, activations, rotary):
+# no FLOPs to speak of but memory-bound kernels; charged as this fraction of the block's forward.
+SELECTIVE_COST = 0.03
+SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
+RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
+FLOAT32 = 4
+
+
+@dataclass
+class Layout:
+    """Arrays (or scalars) of layout choices, broadcast against each other."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    cp: np.ndarray
+    zero: np.ndarray
+    recompute: np.ndarray  # RECOMPUTE_CODES
+    sp: np.ndarray  # 0 / 1
+    micro_batch: np.ndarray  # sequences per microbatch per replica
+    microbatches: np.ndarray
+    schedule: np.ndarray  # SCHEDULE_CODES
+    virtual: np.ndarray
+    param_bytes: np.ndarray  # 2 (bf16) or 4 (fp32)
+
+
+@dataclass
+class Cost:
+    """Every term of the prediction, per rank (bytes) and per step (seconds)."""
+
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray  # what the schedule holds at its peak
+    activations_per_microbatch: np.ndarray  # one microbatch through this rank's blocks and ends
+    buffers: np.ndarray
+    compute: np.ndarray
+    recompute: np.ndarray
+    tp_comm: np.ndarray
+    cp_comm: np.ndarray
+    pp_comm: np.ndarray
+    bubble: np.ndarray
+    dp_comm: np.ndarray
+    model_flops: np.ndarray  # per step, all ranks, without recomputation
+    # model states and one microbatch's activations at each end of the pipeline (equal at pp=1)
+    states_first: np.ndarray
+    states_last: np.ndarray
+    microbatch_first: np.ndarray
+    microbatch_last: np.ndarray
+
+    @property
+    def memory(self) -> np.ndarray:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def step_seconds(self) -> np.ndarray:
+        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble
+                + self.dp_comm)
+
+
+def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes):
+    """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
+    (see tests/test_activations.py for the derivation of each coefficient)."""
+    h = spec.hidden
+    sbh = tokens * h
+    kv = spec.kv_heads / spec.heads
+    attention = 2 + 2 * kv  # q, k, v (after rotary), attention output
+    mlp = (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
+    ups = (2 if spec.mlp == "swiglu" else 1) * spec.ffn / h
+    if spec.norm == "rmsnorm":  # Hugging Face's RMSNorm computes in float32
+        norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
+    else:
+        norm_bytes, stats = 2 * act_bytes, 4 * FLOAT32
+    lse = np.where(cp > 1, 0.0, spec.heads * tokens * FLOAT32)  # cp recomputes attention in backward
+    split = (tp == 1) | (sp == 1)
+    none = np.where(split,
+                    (norm_bytes * sbh + (attention + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
+                    norm_bytes * sbh + 2 * act_bytes * sbh + (attention + mlp) * act_bytes * sbh / tp
+                    + stats * tokens + lse / tp)
+    selective = np.where(split, ((attention + 3 + ups) * act_bytes * sbh + lse) / tp,
+                         (3 + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
+    full = np.where(sp == 1, act_bytes * sbh / tp, act_bytes * sbh)
+    return np.select([recompute == 0, recompute == 1], [none, selective], full)
+
+
+def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
+    """(first rank, last rank) bytes outside the blocks. First: the embedding's output (on
+    sequence shards under sp) and, for rotary models, the cos/sin tables. Last: the final
+    norm's kept tensors and the cross-entropy's float32 log-probabilities (the logits
+    themselves are not kept; vocabulary-sharded by the loss-parallel head)."""
+    sbh = tokens * spec.hidden
+    shard = np.where(sp == 1, tp, 1)
+    rotary = 2 * seq_local * (spec.hidden // spec.heads) * act_bytes if spec.norm == "rmsnorm" else 0
+    first = act_bytes * sbh / shard + rotary
+    if spec.norm == "rmsnorm":  # float32 x*rsqrt and output, rsqrt
+        norm = (2 * FLOAT32 * sbh + FLOAT32 * tokens) / shard
+    else:  # output, mean and rstd
+        norm = (act_bytes * sbh + 2 * FLOAT32 * tokens) / shard
+    last = norm + FLOAT32 * tokens * spec.vocab / tp
+    return first, last
+
+
+def in_flight(layout: Layout) -> np.ndarray:
+    """Microbatches' worth of this rank's activations the first pipeline rank holds at its
+    peak: GPipe all m; 1F1B min(m, p); torch's interleaved schedules warm up (v-1)p + 2(p-1)
+    stage-microbatches before the first backward, each 1/v of the rank's blocks."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    interleaved = np.minimum(m * v, (v - 1) * p + 2 * (p - 1) + 1) / v
+    held = np.select([layout.schedule == 0, layout.schedule == 1], [m, np.minimum(m, p)], interleaved)
+    return np.where(p == 1, 1, held)
+
+
+def _ring(n, nbytes, bandwidth, factor):
+    """Seconds for a ring collective over n ranks moving factor*(n-1)/n of nbytes."""
+    return np.where(n > 1, factor * (n - 1) / n * nbytes / bandwidth, 0.0)
+
+
+def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) -> Cost:
+    """Predicted memory and step time of `layout` (arrays broadcast) for sequences of `seq_len`."""
+    L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
+    world = L.dp * L.tp * L.pp * L.cp
+    layers_here = np.ceil(spec.layers / L.pp)
+    first_rank, last_rank = np.ones_like(world, dtype=bool), L.pp == 1
+    tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
+
+    # model states on the first pipeline rank (embedding) and on the last (head)
+    sharded_l, replicated_l = spec.layer_params
+    per_layers = layers_here * (sharded_l / L.tp + replicated_l)
+    embed = spec.embed_params[0] / L.tp + spec.embed_params[1]
+    head = spec.head_params[0] / L.tp + spec.head_params[1] + np.where(tied_elsewhere, spec.embed_params[0] / L.tp, 0)
+    params_first = per_layers + embed + np.where(last_rank, head, 0)
+    params_last = per_layers + head + np.where(first_rank & (L.pp == 1), embed, 0)
+    shards = L.dp * L.cp
+
+    def states(count):
+        params = count * L.param_bytes / np.where(L.zero == 3, shards, 1)
+        grads = count * L.param_bytes / np.where(L.zero >= 2, shards, 1)
+        adam = count * (2 * FLOAT32 + np.where(L.param_bytes == FLOAT32, 0, FLOAT32)) / np.where(L.zero >= 1, shards, 1)
+        return params, grads, adam
+
+    # activations of one microbatch on this rank
+    tokens = L.micro_batch * seq_len / L.cp
+    block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes)
+    end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes)
+    act_first = layers_here * block + end_first + np.where(L.pp == 1, end_last, 0)
+    act_last = layers_here * block + end_last
+    held = in_flight(L)
+    mem_first = sum(states(params_first)) + held * act_first
+    mem_last = sum(states(params_last)) + act_last
+    use_last = (L.pp > 1) & (mem_last > mem_first)
+    params, grads, adam = (np.where(use_last, b, a) for a, b in zip(states(params_first), states(params_last)))
+    activations = np.where(use_last, act_last, held * act_first)
+    per_microbatch = np.where(use_last, act_last, act_first)
+    buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l) * L.param_bytes, 0.0)
+
+    # time
+    bw = cluster.bandwidth
+    peak = cluster.spec.peak_flops
+    h = spec.hidden
+    tokens_step = L.dp * L.micro_batch * L.microbatches * seq_len  # the global batch
+    layer_flops_token = 6 * sharded_l + 6 * h * seq_len  # matmuls (+ causal attention)
+    flops_token = spec.layers * layer_flops_token + 6 * (spec.dense_params - spec.layers * sharded_l)
+    model_flops = flops_token * tokens_step
+    compute = model_flops / world / (peak * EFFICIENCY)
+    layer_forward = spec.layers * layer_flops_token / 3 * tokens_step / world / (peak * EFFICIENCY)
+    recompute = np.select([L.recompute == 2, L.recompute == 1], [layer_forward, SELECTIVE_COST * layer_forward], 0.0)
+
+    act_bytes_layer = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
+    collectives = np.where(L.recompute == 2, 6, 4)
+    per_microbatch_tp = collectives * _ring(L.tp, act_bytes_layer, bw(L.tp), 2)
+    tp_comm = layers_here * L.microbatches * per_microbatch_tp
+    kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
+    cp_comm = layers_here * L.microbatches * 3 * _ring(L.cp, kv_bytes, bw(L.tp * L.cp), 1)
+    hop = act_bytes_layer / np.where(L.sp == 1, L.tp, 1) / bw(world)
+    pp_comm = np.where(L.pp > 1, 2 * (L.pp - 1) * L.virtual * hop, 0.0)
+    pipelined = compute + recompute + tp_comm + cp_comm
+    bubble_fraction = (L.pp - 1) / (L.virtual * L.microbatches) / np.where(L.schedule == 3, 3, 1)
+    bubble = pipelined * bubble_fraction
+    grad_bytes = np.maximum(params_first, params_last) * L.param_bytes
+    reduce = _ring(shards, grad_bytes, bw(world), 2)
+    gathers = np.where(L.zero == 3, 2 * L.microbatches * _ring(shards, grad_bytes, bw(world), 1), 0.0)
+    last_backward = (compute + recompute) * 2 / 3 / L.microbatches
+    dp_comm = np.maximum(reduce - last_backward, 0) + np.maximum(gathers - compute, 0)
+    return Cost(params, grads, adam, activations, per_microbatch, buffers, compute, recompute, tp_comm, cp_comm,
+                pp_comm, bubble, dp_comm, model_flops, sum(states(params_first)), sum(states(params_last)),
+                act_first, act_last)

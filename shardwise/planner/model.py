@@ -1,0 +1,168 @@
+"""What the planner knows about a model: its shapes and its parameters by how they shard.
+
+A `ModelSpec` comes from a name in `MODELS` (published configurations), a Hugging Face
+config, or an `nn.Module` (our GPT or a Hugging Face causal LM, alone or inside a user's
+end2end module; meta and deferred modules work, nothing runs). From a module the parameter
+counts are exact: each parameter is counted as its zoo plan places it (sharded by tensor
+parallelism or replicated) and by where it sits (before, inside or after the layer list).
+From a config they are the architecture's arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from ..errors import ModelError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and parameter counts of a decoder-style transformer.
+
+    `*_params` pairs are (sharded by tensor parallelism, replicated across it): per block
+    of the layer list, before it (embeddings) and after it (final norm, untied head).
+    `mlp` is "gelu" (two matrices of width ffn) or "swiglu" (three); `norm` "layernorm"
+    (keeps its output and mean/rstd) or "rmsnorm" (Hugging Face's: keeps x*rsqrt, the
+    output and rsqrt in float32). `plan` is the zoo plan that lays it out.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    mlp: str
+    norm: str
+    layer_params: tuple[int, int]
+    embed_params: tuple[int, int]
+    head_params: tuple[int, int]
+    plan: str | None = None
+    max_seq: int | None = None  # learned position embeddings bound the sequence
+
+    @property
+    def params(self) -> int:
+        return self.layers * sum(self.layer_params) + sum(self.embed_params) + sum(self.head_params)
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters a token's forward multiplies by (embedding lookups excluded)."""
+        return self.layers * sum(self.layer_params) + sum(self.head_params) + (
+            self.embed_params[0] if self.head_params[0] == 0 else 0)  # a tied head multiplies by the embedding
+
+    def check_tp(self, tp: int) -> str | None:
+        """Why `tp` cannot split this model (None when it can)."""
+        for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn), ("vocab", self.vocab)):
+            if n % tp:
+                return f"{what}={n} is not divisible by tp={tp}"
+        return None
+
+
+def llama_like(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+               tied: bool = False, qkv_bias: bool = False, plan: str = "llama") -> ModelSpec:
+    """A Llama/Qwen2/Mistral decoder: RMSNorm, rotary positions, SwiGLU MLP, GQA."""
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    sharded = hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn + (hidden + 2 * kv if qkv_bias else 0)
+    return ModelSpec(name, layers, hidden, heads, kv_heads, ffn, vocab, "swiglu", "rmsnorm",
+                     layer_params=(sharded, 2 * hidden), embed_params=(vocab * hidden, 0),
+                     head_params=(0 if tied else vocab * hidden, hidden), plan=plan)
+
+
+def gpt2_like(name: str, layers: int, hidden: int, heads: int, vocab: int, max_seq: int) -> ModelSpec:
+    """GPT-2 (Hugging Face): LayerNorm, learned positions, GELU MLP of 4h, tied head; the
+    zoo plan shards the Conv1D weights and keeps their biases replicated."""
+    sharded = 12 * hidden * hidden
+    replicated = 3 * hidden + hidden + 4 * hidden + hidden + 4 * hidden  # c_attn, c_proj, c_fc, c_proj biases; 2 norms
+    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, vocab, "gelu", "layernorm",
+                     layer_params=(sharded, replicated), embed_params=(vocab * hidden, max_seq * hidden),
+                     head_params=(0, 2 * hidden), plan="gpt2", max_seq=max_seq)
+
+
+# Published configurations (model cards and papers).
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": llama_like("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+    "llama3-70b": llama_like("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+    "llama3-405b": llama_like("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+    "qwen2-7b": llama_like("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, plan="qwen2"),
+    "mistral-7b": llama_like("mistral-7b", 32, 4096, 32, 8, 14336, 32000, plan="mistral"),
+    "gpt2": gpt2_like("gpt2", 12, 768, 12, 50257, 1024),
+}
+
+
+def _gpt_spec(cfg: Any) -> ModelSpec:
+    """Our reference GPT (shardwise.models.GPT): q/v/o/fc biases, no key bias, tied head."""
+    h, f = cfg.d_model, 4 * cfg.d_model
+    sharded = 3 * h * h + 2 * h + h * h + 2 * h * f + f  # q,k,v (+q,v bias), o, fc1 (+bias), fc2
+    replicated = 2 * h + 4 * h  # o and fc2 biases; two LayerNorms
+    return ModelSpec("gpt", cfg.n_layer, h, cfg.n_head, cfg.n_head, f, cfg.vocab_size, "gelu", "layernorm",
+                     layer_params=(sharded, replicated), embed_params=(cfg.vocab_size * h, cfg.block_size * h),
+                     head_params=(0 if cfg.tie_embeddings else cfg.vocab_size * h, 2 * h), plan="gpt",
+                     max_seq=cfg.block_size)
+
+
+def from_hf_config(config: Any) -> ModelSpec:
+    """A spec from a transformers config (llama, qwen2, mistral, gpt2)."""
+    kind = getattr(config, "model_type", None)
+    if kind in ("llama", "qwen2", "mistral"):
+        return llama_like(kind, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                          getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                          config.intermediate_size, config.vocab_size, tied=bool(config.tie_word_embeddings),
+                          qkv_bias=kind == "qwen2", plan=kind)
+    if kind == "gpt2":
+        return gpt2_like("gpt2", config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.n_positions)
+    raise ModelError(f"the planner knows Hugging Face model types llama, qwen2, mistral and gpt2, not {kind!r}; "
+                     "pass a ModelSpec describing the model instead")
+
+
+def _counts_from_module(module: nn.Module, spec: ModelSpec) -> ModelSpec:
+    """`spec` with parameter counts read from `module`: each parameter once, sharded when
+    the zoo plan places it, and by position around the layer list."""
+    from ..config import ParallelConfig
+    from ..plan import zoo
+    from ..plan.resolve import resolve_plan
+    from ..plan.stages import layer_list
+
+    blocks = layer_list(module)
+    sharded_names = set(resolve_plan(zoo[spec.plan](ParallelConfig()), module, 1).params) if spec.plan else set()
+    layer, embed, head = [0, 0], [0, 0], [0, 0]
+    seen_layers = False
+    for name, param in module.named_parameters():  # tied parameters once, under their first name
+        side = 0 if name in sharded_names else 1
+        if blocks and name.startswith(blocks + "."):
+            seen_layers = True
+            layer[side] += param.numel()
+        else:
+            (head if seen_layers else embed)[side] += param.numel()
+    layers = len(module.get_submodule(blocks)) if blocks else 1
+    return replace(spec, layer_params=(layer[0] // layers, layer[1] // layers), embed_params=tuple(embed),
+                   head_params=tuple(head))
+
+
+def model_spec(model: "nn.Module | ModelSpec | str | Any") -> ModelSpec:
+    """The spec of `model`: a ModelSpec, a name in MODELS, a transformers config, or a module."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ModelError(f"model {model!r} is not in the planner's table; known: {', '.join(MODELS)}")
+        return MODELS[model]
+    if isinstance(model, nn.Module):
+        from ..models.gpt import GPT
+
+        for sub in model.modules():
+            if isinstance(sub, GPT):
+                return _counts_from_module(model, _gpt_spec(sub.cfg))
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "model_type"):
+                return _counts_from_module(model, from_hf_config(config))
+        raise ModelError(f"the planner reads shapes from shardwise's GPT or a Hugging Face model inside the module; "
+                         f"{type(model).__name__} has neither: pass sw.planner.ModelSpec(...) describing it")
+    if hasattr(model, "model_type"):
+        return from_hf_config(model)
+    raise ModelError(f"model={model!r} must be an nn.Module, a transformers config, a ModelSpec or one of "
+                     f"{', '.join(MODELS)}")

@@ -1,0 +1,231 @@
+"""The search: every layout of a model on a cluster, evaluated at once, ranked by step time.
+
+The space is every factorization dp*tp*pp*cp of the GPU count (tp inside a node and
+dividing the model's heads, kv heads, MLP width and vocabulary; cp leaving at least
+`MIN_CP_TOKENS` tokens per rank and dividing the sequence into 2*cp chunks; pp at most the
+layer count), every microbatch size dividing a replica's batch (the microbatch count
+follows, at least pp under pipelining, a multiple of pp for interleaved schedules), each
+schedule with 1 (GPipe, 1F1B) or 2, 4, 8 (interleaved 1F1B, zero-bubble) stages per rank,
+ZeRO 0-3, recompute none/selective/full, sequence parallelism on/off under tp, and bf16 or
+float32 on GPUs. It is exhaustive: the inner choices of each factorization are one numpy
+grid through `cost.evaluate`, so 10^5-10^6 layouts take seconds on one core. Layouts
+predicted not to fit are dropped; the rest are ranked by seconds per token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ParallelConfig, divisors
+from ..errors import ConfigError
+from .cluster import Cluster
+from .cost import RECOMPUTE_CODES, SCHEDULE_CODES, Cost, Layout, evaluate
+from .model import ModelSpec, model_spec
+
+MIN_CP_TOKENS = 256
+MAX_MICRO_BATCH = 16
+VIRTUAL = (2, 4, 8)
+SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
+RECOMPUTE_NAMES = {code: name for name, code in RECOMPUTE_CODES.items()}
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm")
+
+
+@dataclass
+class Candidate:
+    """One layout and its prediction."""
+
+    config: ParallelConfig
+    micro_batch: int  # sequences per microbatch per replica
+    spec: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    memory_terms: dict[str, float]
+    time_terms: dict[str, float]
+    tokens_per_step: int
+    model_flops: float
+    virtual: int = 1  # pipeline stages per rank
+    runner_up: "Candidate | None" = field(default=None, repr=False)
+
+    @property
+    def memory(self) -> float:
+        """Predicted peak bytes on the busiest rank."""
+        return sum(self.memory_terms.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.time_terms.values())
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recomputation) per second over the cluster's peak."""
+        return self.model_flops / (self.step_seconds * self.cluster.gpus * self.cluster.spec.peak_flops)
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_seconds / self.cluster.gpus
+
+    @property
+    def plan(self):
+        """The zoo plan that lays the model out (tensor parallel, sequence parallel variant,
+        virtual stages), or a plain Plan when nothing is sharded by tp."""
+        from ..plan import Plan, zoo
+
+        virtual = {"virtual_stages": self.virtual} if self.virtual > 1 else {}
+        if self.config.tp > 1 and self.spec.plan in zoo:
+            return zoo[self.spec.plan](self.config).replace(**virtual)
+        return Plan(**virtual)
+
+    def layout(self) -> str:
+        c = self.config
+        parts = [f"dp{c.dp}", f"tp{c.tp}" + ("+sp" if c.sequence_parallel else ""), f"pp{c.pp}", f"cp{c.cp}",
+                 f"zero{c.zero}", f"mb{self.micro_batch}x{c.microbatches}"]
+        if c.pp > 1:
+            parts.append(c.schedule + (f"/v{self.virtual}" if self.virtual > 1 else ""))
+        parts.append(f"rc:{c.recompute or 'none'}")
+        parts.append("bf16" if c.param_dtype is not None else "fp32")
+        return " ".join(parts)
+
+    def explain(self) -> str:
+        from .format import explain
+
+        return explain(self)
+
+
+def _factorizations(spec: ModelSpec, cluster: Cluster, seq_len: int, context_parallel: bool):
+    """(dp, tp, pp, cp) of every allowed factorization of the GPU count."""
+    out = []
+    for tp in divisors(cluster.gpus):
+        if tp > 1 and (tp > cluster.gpus_per_node or spec.check_tp(tp) or spec.plan is None):
+            continue
+        for cp in divisors(cluster.gpus // tp):
+            if cp > 1 and (not context_parallel or seq_len % (2 * cp) or seq_len // cp < MIN_CP_TOKENS):
+                continue
+            for pp in divisors(cluster.gpus // (tp * cp)):
+                if pp > spec.layers:
+                    continue
+                out.append((cluster.gpus // (tp * cp * pp), tp, pp, cp))
+    return out
+
+
+def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: int, dtypes: tuple[int, ...]):
+    """Arrays of every inner choice for one factorization (empty when the batch does not split)."""
+    rows = []
+    for b in divisors(replica_batch):
+        if b > MAX_MICRO_BATCH:
+            break
+        m = replica_batch // b
+        if pp > 1 and m < pp:
+            continue
+        schedules = [(SCHEDULE_CODES["1f1b"], 1)] if pp == 1 else \
+            [(SCHEDULE_CODES["gpipe"], 1), (SCHEDULE_CODES["1f1b"], 1)] + [
+                (SCHEDULE_CODES[name], v) for name in ("interleaved-1f1b", "zero-bubble") for v in VIRTUAL
+                if pp * v <= layers and m % pp == 0]
+        zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
+        sps = (0, 1) if tp > 1 else (0,)
+        for (schedule, v), zero, rc, sp, nbytes in itertools.product(schedules, zeros, (0, 1, 2), sps, dtypes):
+            rows.append((b, m, schedule, v, zero, rc, sp, nbytes))
+    if not rows:
+        return None
+    grid = np.array(rows, dtype=np.float64).T
+    b, m, schedule, v, zero, rc, sp, nbytes = grid
+    one = np.ones_like(b)
+    return Layout(dp=dp * one, tp=tp * one, pp=pp * one, cp=cp * one, zero=zero, recompute=rc, sp=sp,
+                  micro_batch=b, microbatches=m, schedule=schedule, virtual=v, param_bytes=nbytes)
+
+
+def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Candidate:
+    pick = lambda a: float(np.asarray(a).reshape(-1)[i] if np.ndim(a) else a)  # noqa: E731
+    nbytes = int(pick(layout.param_bytes))
+    config = ParallelConfig(
+        dp=int(pick(layout.dp)), tp=int(pick(layout.tp)), pp=int(pick(layout.pp)), cp=int(pick(layout.cp)),
+        zero=int(pick(layout.zero)), microbatches=int(pick(layout.microbatches)),
+        schedule=SCHEDULE_NAMES[int(pick(layout.schedule))], sequence_parallel=bool(pick(layout.sp)),
+        recompute=RECOMPUTE_NAMES[int(pick(layout.recompute))],
+        param_dtype=None if nbytes == 4 else torch.bfloat16)
+    memory = {name: pick(getattr(cost, name)) for name in MEMORY_TERMS}
+    times = {name: pick(getattr(cost, name)) for name in TIME_TERMS}
+    tokens = int(pick(layout.dp) * pick(layout.micro_batch) * pick(layout.microbatches) * seq_len)
+    return Candidate(config, int(pick(layout.micro_batch)), spec, cluster, seq_len, memory, times, tokens,
+                     pick(cost.model_flops), int(pick(layout.virtual)))
+
+
+@dataclass
+class SearchResult(list):
+    """The ranked candidates (a list), with how many layouts were evaluated and how fast."""
+
+    evaluated: int = 0
+    fitting: int = 0
+    seconds: float = 0.0
+
+    @property
+    def per_second(self) -> float:
+        return self.evaluated / self.seconds if self.seconds else float("inf")
+
+
+def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_len: int | None = None,
+           global_tokens: int | None = None, top: int = 10, replica_batch: int | None = None,
+           dtypes: tuple[int, ...] | None = None, progress: bool = False,
+           context_parallel: bool = True) -> SearchResult:
+    """The `top` layouts of `model` on `cluster` predicted to fit, fastest per token first.
+
+    `global_batch` sequences of `seq_len` tokens per step (or `global_tokens` / seq_len);
+    `replica_batch` instead fixes each data-parallel replica's batch (the global batch then
+    grows with dp), as `parallelize(..., "auto")` does with its sample batch. `dtypes`:
+    parameter bytes to try (default bf16 and float32 on GPUs, float32 locally);
+    `context_parallel=False` leaves cp out (batches that are not dicts).
+    """
+    start = time.perf_counter()
+    spec = model_spec(model)
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len!r} must be a positive number of tokens per sequence")
+    if spec.max_seq is not None and seq_len > spec.max_seq:
+        raise ConfigError(f"seq_len={seq_len} exceeds {spec.name}'s {spec.max_seq} learned positions")
+    if global_batch is None and global_tokens is not None:
+        if global_tokens % seq_len:
+            raise ConfigError(f"global_tokens={global_tokens} is not a multiple of seq_len={seq_len}")
+        global_batch = global_tokens // seq_len
+    if (global_batch is None) == (replica_batch is None):
+        raise ConfigError("give exactly one of global_batch (or global_tokens) and replica_batch")
+    for name, value in (("global_batch", global_batch), ("replica_batch", replica_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}={value!r} must be a positive integer number of sequences")
+    dtypes = dtypes or ((4,) if cluster.device == "local" else (2, 4))
+    groups = _factorizations(spec, cluster, seq_len, context_parallel)
+    if progress:
+        from tqdm import tqdm
+
+        groups = tqdm(groups, desc="planning", unit="factorization", delay=1.0, leave=False)
+    best: list[tuple[float, float, int, Candidate]] = []
+    result = SearchResult()
+    for dp, tp, pp, cp in groups:
+        batch = replica_batch if replica_batch is not None else (global_batch // dp if global_batch % dp == 0 else 0)
+        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes) if batch else None
+        if layout is None:
+            continue
+        cost = evaluate(spec, cluster, layout, seq_len)
+        result.evaluated += layout.dp.size
+        fits = cost.memory <= cluster.usable_bytes
+        result.fitting += int(fits.sum())
+        if not fits.any():
+            continue
+        per_token = np.where(fits, cost.step_seconds / (layout.dp * layout.micro_batch * layout.microbatches * seq_len),
+                             np.inf)
+        memory = cost.memory
+        for i in np.lexsort((memory, per_token))[: top + 1]:  # equal time: the smaller footprint first
+            if np.isfinite(per_token[i]):
+                best.append((float(per_token[i]), float(memory[i]), len(best),
+                             _candidate(spec, cluster, seq_len, layout, cost, int(i))))
+        best = sorted(best)[: top + 1]
+    ranked = [entry[-1] for entry in best]
+    for a, b in zip(ranked, ranked[1:]):
+        a.runner_up = b
+    result.extend(ranked[:top])
+    result.seconds = time.perf_counter() - start
+    return result
