@@ -25,24 +25,12 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig
+from shardwise.models import GPT, CausalLM, GPTConfig
 from shardwise.planner import Cluster, model_spec, search
 from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES, Layout, evaluate
 from shardwise.planner.format import table
 
 SEQ, MICRO, VOCAB, WIDTH, HEADS, LAYERS = 64, 8, 64, 64, 4, 4
-
-
-class CausalLM(nn.Module):
-    """A Hugging Face causal LM as an end2end module (forward(batch) -> loss)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, batch):
-        return self.lm(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
-                       shift_labels=batch["labels"]).loss
 
 
 def build(kind: str) -> nn.Module:

@@ -18,6 +18,7 @@ from torch import nn
 import shardwise as sw
 from parity import Case, compare_cases, corpus_batches, make_gpt
 from shardwise.errors import BatchError, ModelError
+from shardwise.models import CausalLM
 from shardwise.parallel.context import SequenceShards, context_parallel_attention
 from test_zoo import COMMON
 from test_zoo import make as make_zoo_model
@@ -110,20 +111,6 @@ def _dropout_refused() -> str:
 def test_attention_dropout_is_refused():
     for message in sw.testing.run_on_ranks(_dropout_refused, 2):
         assert "set the attention dropout to 0 for cp > 1" in message
-
-
-class CausalLM(nn.Module):
-    """A Hugging Face causal LM as a cp user writes it: positions from the batch, labels
-    pre-shifted and handed over as shift_labels (HF computes the loss only when labels= is
-    given, and would shift those itself)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, batch):
-        return self.lm(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
-                       shift_labels=batch["labels"]).loss
 
 
 def make(kind: str) -> nn.Module:

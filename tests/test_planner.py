@@ -135,6 +135,10 @@ def test_plan_command():
     rows = json.loads(out.output)
     assert len(rows) == 2 and rows[0]["step_seconds"] <= rows[1]["step_seconds"]
     assert rows[0]["dp"] * rows[0]["tp"] * rows[0]["pp"] * rows[0]["cp"] == 64
+    out = runner.invoke(main, ["plan", "--model", "parity:make_gpt", "--gpus", "4", "--device", "local", "--seq", "32",
+                               "--global-batch", "8", "--top", "1", "--json"])  # a factory, built on the meta device
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)[0]["dp"] * json.loads(out.output)[0]["pp"] >= 1
     out = runner.invoke(main, ["plan", "--model", "llama9", "--gpus", "8", "--seq", "128", "--global-batch", "8"])
     assert out.exit_code == 1 and "not in the planner's table" in out.output
     out = runner.invoke(main, ["plan", "--model", "gpt2", "--gpus", "8", "--seq", "4096", "--global-batch", "8"])
