@@ -19,7 +19,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 import transformers
 from torch import nn
@@ -89,11 +88,9 @@ def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]
 def predict(kind: str, options: dict, model: nn.Module, world: int):
     """The planner's (first stage, last stage) prediction of (states, one microbatch's activations)."""
     config = sw.ParallelConfig(**options).resolve(world)
-    a = np.asarray
-    layout = Layout(dp=a(config.dp), tp=a(config.tp), pp=a(config.pp), cp=a(config.cp), zero=a(config.zero),
-                    recompute=a(RECOMPUTE_CODES[config.recompute]), sp=a(int(config.sequence_parallel)),
-                    micro_batch=a(MICRO), microbatches=a(config.microbatches),
-                    schedule=a(SCHEDULE_CODES[config.schedule]), virtual=a(1), param_bytes=a(4))
+    layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
+                    recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=MICRO,
+                    microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1, param_bytes=4)
     cost = evaluate(model_spec(model), Cluster.local(world), layout, SEQ)
     return ((float(cost.states_first), float(cost.microbatch_first)),
             (float(cost.states_last), float(cost.microbatch_last)))
@@ -123,28 +120,36 @@ def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
     return errors
 
 
+def best_in_degrees(spec, cluster, seq: int, tp: int, cp: int, pp: int, dp: int, tokens: int = 16 * 2 ** 20):
+    """The fastest variant that fits of fixed degrees (schedule, virtual stages, recompute,
+    ZeRO 1-2, sp on, bf16, one sequence per microbatch): (cost, description), or None."""
+    batch = tokens // seq
+    best = None
+    for schedule, virtual in ((1, 1), (2, 2), (2, 4), (2, 8)):
+        for rc in (0, 1, 2):
+            for zero in (1, 2):
+                layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, recompute=rc, sp=1, micro_batch=1,
+                                microbatches=batch // dp, schedule=schedule, virtual=virtual, param_bytes=2)
+                cost = evaluate(spec, cluster, layout, seq)
+                if float(cost.memory) <= cluster.usable_bytes and (best is None or cost.step_seconds < best[0].step_seconds):
+                    best = (cost, f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} v{virtual} rc{rc}")
+    return best
+
+
 def meta_layouts() -> None:
     """Llama 3 405B on 16,384 H100s: Meta's layouts (arXiv 2407.21783, Table 4) and ours."""
     spec, cluster = model_spec("llama3-405b"), Cluster(16384, device="h100")
     print(f"{'seq':>6} {'layout':<70} {'fits':>5} {'mem GiB':>8} {'MFU pred':>9} {'published':>10} {'step s':>8}")
     for seq, tp, cp, pp, dp, published in ((8192, 8, 1, 16, 128, 0.41), (131072, 8, 16, 16, 8, 0.38)):
-        batch = 16 * 2 ** 20 // seq
-        best = None
-        for sched, v in ((1, 1), (2, 2), (2, 4), (2, 8)):
-            for rc in (0, 1, 2):
-                for zero in (1, 2):
-                    a = np.asarray
-                    layout = Layout(dp=a(dp), tp=a(tp), pp=a(pp), cp=a(cp), zero=a(zero), recompute=a(rc), sp=a(1),
-                                    micro_batch=a(1), microbatches=a(batch // dp), schedule=a(sched), virtual=a(v),
-                                    param_bytes=a(2))
-                    cost = evaluate(spec, cluster, layout, seq)
-                    if float(cost.memory) <= cluster.usable_bytes and (best is None or cost.step_seconds < best[0].step_seconds):
-                        best = (cost, f"tp{tp} cp{cp} pp{pp} dp{dp} zero{zero} v{v} rc{rc}")
-        ours = search(spec, cluster, global_batch=batch, seq_len=seq, top=1)[0]
-        cost, name = best
-        mfu = float(cost.model_flops / (cost.step_seconds * cluster.gpus * cluster.spec.peak_flops))
-        print(f"{seq:>6} {name:<70} {'yes':>5} {float(cost.memory) / 2**30:>8.1f} {mfu:>9.1%} {published:>10.0%} "
-              f"{float(cost.step_seconds):>8.2f}")
+        ours = search(spec, cluster, global_tokens=16 * 2 ** 20, seq_len=seq, top=1)[0]
+        best = best_in_degrees(spec, cluster, seq, tp, cp, pp, dp)
+        if best is None:
+            print(f"{seq:>6} {f'tp{tp} cp{cp} pp{pp} dp{dp}':<70} {'no':>5}")
+        else:
+            cost, name = best
+            mfu = float(cost.model_flops / (cost.step_seconds * cluster.gpus * cluster.spec.peak_flops))
+            print(f"{seq:>6} {name:<70} {'yes':>5} {float(cost.memory) / 2**30:>8.1f} {mfu:>9.1%} {published:>10.0%} "
+                  f"{float(cost.step_seconds):>8.2f}")
         print(f"{seq:>6} {'ours: ' + ours.layout():<70} {'yes':>5} {ours.memory / 2**30:>8.1f} {ours.mfu:>9.1%} "
               f"{'':>10} {ours.step_seconds:>8.2f}")
 

@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -76,7 +75,7 @@ def _brute_force(spec, cluster, global_batch, seq_len):
                 (s, v) for s in (2, 3) for v in (2, 4, 8) if pp * v <= spec.layers and m % pp == 0]
             for (s, v), zero, rc, sp, nbytes in itertools.product(
                     schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), (0, 1, 2), (0, 1) if tp > 1 else (0,), (2, 4)):
-                layout = Layout(*(np.asarray(x, dtype=float) for x in (dp, tp, pp, cp, zero, rc, sp, b, m, s, v, nbytes)))
+                layout = Layout(dp, tp, pp, cp, zero, rc, sp, b, m, s, v, nbytes)
                 cost = evaluate(spec, cluster, layout, seq_len)
                 if float(cost.memory) <= cluster.usable_bytes:
                     best = min(best, (float(cost.step_seconds) / (global_batch * seq_len), float(cost.memory)))
@@ -106,17 +105,9 @@ def test_meta_llama3_405b_layout():
     published one, and our top choice is predicted no slower."""
     spec, cluster = model_spec("llama3-405b"), Cluster(16384, device="h100")
     batch = 16 * 2 ** 20 // 8192
-    fitting = []
-    for schedule, virtual, rc, zero in itertools.product((1, 2), (1, 2, 4), (0, 1, 2), (1, 2)):
-        if (schedule == 1) != (virtual == 1):
-            continue
-        layout = Layout(*(np.asarray(x, dtype=float) for x in (128, 8, 16, 1, zero, rc, 1, 1, batch // 128, schedule,
-                                                               virtual, 2)))
-        cost = evaluate(spec, cluster, layout, 8192)
-        if float(cost.memory) <= cluster.usable_bytes:
-            fitting.append(cost)
+    fitting = bench.best_in_degrees(spec, cluster, 8192, tp=8, cp=1, pp=16, dp=128)
     assert fitting, "Meta's layout is predicted not to fit"
-    meta = min(fitting, key=lambda c: float(c.step_seconds))
+    meta = fitting[0]
     mfu = float(meta.model_flops / (meta.step_seconds * cluster.gpus * cluster.spec.peak_flops))
     assert abs(mfu - 0.41) <= 0.10, f"predicted MFU {mfu:.1%} for Meta's layout (published 41%)"
     ours = search(spec, cluster, global_batch=batch, seq_len=8192, top=1)[0]
@@ -189,3 +180,18 @@ def test_auto_layout_matches_one_process():
     assert len({r.layout for r in runs}) == 1
     for run in runs:
         assert_parity(reference, run, "sgd")
+
+
+def test_auto_plan_for_a_given_config():
+    """plan="auto" with a config: the model's zoo plan (sp variant, as the config asks)."""
+    from shardwise.planner.auto import auto_layout
+
+    config = sw.ParallelConfig(tp=2, sequence_parallel=True)
+    chosen_config, plan = auto_layout(make_gpt(0), config, "auto", None, 2)
+    assert chosen_config is config and plan.name == "gpt" and plan.activations  # the sequence-parallel variant
+    _, plan = auto_layout(bench.build("llama"), sw.ParallelConfig(tp=2), "auto", None, 2)
+    assert plan.name == "llama" and not plan.activations
+    _, plan = auto_layout(make_gpt(0), sw.ParallelConfig(), "auto", None, 2)
+    assert plan.params == {}  # nothing to shard at tp=1
+    with pytest.raises(ConfigError, match="chooses the plan too"):
+        auto_layout(make_gpt(0), "auto", "gpt", None, 2)

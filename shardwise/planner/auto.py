@@ -18,7 +18,7 @@ from ..config import ParallelConfig
 from ..errors import ConfigError
 from .cluster import Cluster
 from .model import model_spec
-from .search import search
+from .search import plan_for, search
 
 
 def _sequence_length(sample: Any) -> int:
@@ -34,11 +34,9 @@ def auto_layout(module: nn.Module, config: Any, plan: Any, sample: Any, world: i
     finds for `world` ranks; with a config and plan="auto", the model's zoo plan for it."""
     spec = model_spec(module)
     if config != "auto":
-        from ..plan import Plan, zoo
-
         if not isinstance(config, ParallelConfig):
             raise ConfigError(f"config must be a sw.ParallelConfig or 'auto', got {config!r}")
-        return config, zoo[spec.plan](config) if config.tp > 1 and spec.plan in zoo else Plan()
+        return config, plan_for(spec, config)
     if plan not in (None, "auto"):
         raise ConfigError("config='auto' chooses the plan too; pass plan=None (or 'auto')")
     if sample is None:

@@ -2,8 +2,8 @@
 
 The table holds vendors' datasheet numbers (dense bf16 tensor FLOP/s, HBM size) and the
 bus bandwidth a ring collective reaches over NVLink inside a node and over the network
-between nodes (per GPU, one direction). Any field can be overridden:
-`Cluster(gpus=64, device="h100", inter_node_gbps=25)`.
+between nodes (per GPU, one direction, bytes/s). Any of them can be overridden:
+`Cluster(gpus=64, device="h100", inter_node_bw=25e9)`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ GB = 1e9
 class Device:
     name: str
     memory_bytes: float
-    peak_flops: float  # dense, in the compute dtype below
+    peak_flops: float  # dense bf16 (the local CPU's: float32)
     intra_node_bw: float  # bytes/s per GPU inside a node (NVLink), one direction
     inter_node_bw: float  # bytes/s per GPU between nodes (InfiniBand / RoCE), one direction
-    dtype_bytes: int = 2  # bf16
 
 
 DEVICES = {
@@ -34,7 +33,7 @@ DEVICES = {
     "a100": Device("a100", 80 * GB, 312e12, 300 * GB, 25 * GB),
     "b200": Device("b200", 192 * GB, 2250e12, 900 * GB, 50 * GB),
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
-    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, dtype_bytes=4),
+    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB),
 }
 
 
@@ -64,8 +63,7 @@ class Cluster:
             raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} must be a positive integer")
         base = DEVICES[self.device]
         spec = Device(base.name, self.memory_bytes or base.memory_bytes, self.peak_flops or base.peak_flops,
-                      self.intra_node_bw or base.intra_node_bw, self.inter_node_bw or base.inter_node_bw,
-                      base.dtype_bytes)
+                      self.intra_node_bw or base.intra_node_bw, self.inter_node_bw or base.inter_node_bw)
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         object.__setattr__(self, "spec", spec)

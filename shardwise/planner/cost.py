@@ -6,7 +6,8 @@ evaluates a whole grid of layouts at once and `explain()` evaluates one with the
 Memory (bytes on the busiest pipeline rank: the first, which keeps the most microbatches in
 flight and the embedding, or the last, which keeps the logits):
 - parameters: this rank's blocks and end pieces, sharded parts / tp; / (dp*cp) at ZeRO-3;
-- gradients: as parameters, in the reduce dtype; / (dp*cp) at ZeRO-2 and 3;
+- gradients: as parameters (reduce_dtype left at its default, the parameter dtype);
+  / (dp*cp) at ZeRO-2 and 3;
 - optimizer: Adam's two float32 moments (+ float32 master weights under bf16), / (dp*cp)
   from ZeRO-1 on;
 - activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
@@ -72,7 +73,6 @@ class Cost:
     grads: np.ndarray
     optimizer: np.ndarray
     activations: np.ndarray  # what the schedule holds at its peak
-    activations_per_microbatch: np.ndarray  # one microbatch through this rank's blocks and ends
     buffers: np.ndarray
     compute: np.ndarray
     recompute: np.ndarray
@@ -160,7 +160,6 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
     world = L.dp * L.tp * L.pp * L.cp
     layers_here = np.ceil(spec.layers / L.pp)
-    first_rank, last_rank = np.ones_like(world, dtype=bool), L.pp == 1
     tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
 
     # model states on the first pipeline rank (embedding) and on the last (head)
@@ -168,8 +167,8 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     per_layers = layers_here * (sharded_l / L.tp + replicated_l)
     embed = spec.embed_params[0] / L.tp + spec.embed_params[1]
     head = spec.head_params[0] / L.tp + spec.head_params[1] + np.where(tied_elsewhere, spec.embed_params[0] / L.tp, 0)
-    params_first = per_layers + embed + np.where(last_rank, head, 0)
-    params_last = per_layers + head + np.where(first_rank & (L.pp == 1), embed, 0)
+    params_first = per_layers + embed + np.where(L.pp == 1, head, 0)  # at pp=1 one rank holds all
+    params_last = per_layers + head + np.where(L.pp == 1, embed, 0)
     shards = L.dp * L.cp
 
     def states(count):
@@ -185,12 +184,10 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     act_first = layers_here * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_here * block + end_last
     held = in_flight(L)
-    mem_first = sum(states(params_first)) + held * act_first
-    mem_last = sum(states(params_last)) + act_last
-    use_last = (L.pp > 1) & (mem_last > mem_first)
-    params, grads, adam = (np.where(use_last, b, a) for a, b in zip(states(params_first), states(params_last)))
+    first, last = states(params_first), states(params_last)
+    use_last = (L.pp > 1) & (sum(last) + act_last > sum(first) + held * act_first)
+    params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, act_last, held * act_first)
-    per_microbatch = np.where(use_last, act_last, act_first)
     buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l) * L.param_bytes, 0.0)
 
     # time
@@ -221,6 +218,5 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     gathers = np.where(L.zero == 3, 2 * L.microbatches * _ring(shards, grad_bytes, bw(world), 1), 0.0)
     last_backward = (compute + recompute) * 2 / 3 / L.microbatches
     dp_comm = np.maximum(reduce - last_backward, 0) + np.maximum(gathers - compute, 0)
-    return Cost(params, grads, adam, activations, per_microbatch, buffers, compute, recompute, tp_comm, cp_comm,
-                pp_comm, bubble, dp_comm, model_flops, sum(states(params_first)), sum(states(params_last)),
-                act_first, act_last)
+    return Cost(params, grads, adam, activations, buffers, compute, recompute, tp_comm, cp_comm, pp_comm, bubble,
+                dp_comm, model_flops, sum(first), sum(last), act_first, act_last)

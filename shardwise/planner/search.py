@@ -73,14 +73,8 @@ class Candidate:
 
     @property
     def plan(self):
-        """The zoo plan that lays the model out (tensor parallel, sequence parallel variant,
-        virtual stages), or a plain Plan when nothing is sharded by tp."""
-        from ..plan import Plan, zoo
-
-        virtual = {"virtual_stages": self.virtual} if self.virtual > 1 else {}
-        if self.config.tp > 1 and self.spec.plan in zoo:
-            return zoo[self.spec.plan](self.config).replace(**virtual)
-        return Plan(**virtual)
+        """The Plan that lays the model out this way (see `plan_for`)."""
+        return plan_for(self.spec, self.config, self.virtual)
 
     def layout(self) -> str:
         c = self.config
@@ -96,6 +90,17 @@ class Candidate:
         from .format import explain
 
         return explain(self)
+
+
+def plan_for(spec: ModelSpec, config: ParallelConfig, virtual: int = 1):
+    """The model's zoo plan for `config` (tensor and sequence parallel placements) when tp > 1,
+    else a plain Plan; with `virtual` > 1 pipeline stages per rank."""
+    from ..plan import Plan, zoo
+
+    stages = {"virtual_stages": virtual} if virtual > 1 else {}
+    if config.tp > 1 and spec.plan in zoo:
+        return zoo[spec.plan](config).replace(**stages)
+    return Plan(**stages)
 
 
 def _factorizations(spec: ModelSpec, cluster: Cluster, seq_len: int, context_parallel: bool):
@@ -156,7 +161,7 @@ def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Ca
                      pick(cost.model_flops), int(pick(layout.virtual)))
 
 
-@dataclass
+@dataclass(eq=False)  # a list of candidates: compared as one, not by its counters
 class SearchResult(list):
     """The ranked candidates (a list), with how many layouts were evaluated and how fast."""
 
