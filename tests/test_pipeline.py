@@ -103,22 +103,28 @@ def _launches(schedule: str) -> list[tuple[int, bool]]:
     pm.gradients.pre_hooks.append(lambda grads: launches.append(
         (sum(pm.pipeline.stats.alive.values()), torch._C._current_graph_task_id() != -1)))
     pm.train_step(batch)
-    return launches
+    return launches, pm.pipeline.stats.peak_alive
 
 
-def _both_schedules() -> dict[str, list]:
-    return {schedule: _launches(schedule) for schedule in ("interleaved-1f1b", "1f1b")}
+def _schedules() -> dict[str, tuple[list, dict]]:
+    return {schedule: _launches(schedule) for schedule in ("interleaved-1f1b", "1f1b", "gpipe")}
 
 
 def test_stage_buckets_launch_during_the_last_backward():
     """A stage's last backward reduces buckets as they fill (as DDP's last microbatch does);
     interleaved: the later stage's buckets start while microbatches of the earlier stage
-    still await backward. The last bucket carries the loss: launched after the schedule."""
-    for launches in sw.testing.run_on_ranks(_both_schedules, 4):
-        for schedule, seen in launches.items():
-            assert len(seen) >= 3 and sum(inside for _, inside in seen) >= 2, (schedule, seen)
-            assert seen[-1] == (0, False), (schedule, seen)
-        assert max(alive for alive, _ in launches["interleaved-1f1b"]) > 0, launches
+    still await backward. The last bucket carries the loss: launched after the schedule.
+    Each schedule keeps the microbatches alive that it promises: GPipe all m = 4, 1F1B
+    p - stage, interleaved (v = 2) torch's warm-up order."""
+    peaks: dict[str, dict[int, int]] = {}
+    for result in sw.testing.run_on_ranks(_schedules, 4):
+        for schedule, (seen, peak) in result.items():
+            peaks.setdefault(schedule, {}).update(peak)
+            if schedule != "gpipe":
+                assert len(seen) >= 3 and sum(inside for _, inside in seen) >= 2, (schedule, seen)
+                assert seen[-1] == (0, False), (schedule, seen)
+        assert max(alive for alive, _ in result["interleaved-1f1b"][0]) > 0, result
+    assert peaks == {"gpipe": {0: 4, 1: 4}, "1f1b": {0: 2, 1: 1}, "interleaved-1f1b": {0: 4, 1: 3, 2: 2, 3: 1}}, peaks
 
 
 class SharedBlocks(torch.nn.Module):

@@ -4,8 +4,10 @@ The forward is captured once per microbatch shape as a program of unit calls and
 (`stage_program.py`) and split between stages; each stage is a `StageModule` running its
 units (the real modules of this rank) and its glue, so a Hugging Face decoder, our GPT or any
 end2end module whose forward calls its layer list in order pipelines without placeholders.
-torch.distributed.pipelining's `PipelineStage` and schedules (GPipe, 1F1B, interleaved 1F1B,
-interleaved zero-bubble) order the sends, receives and backward halves.
+The order of forwards and backwards is GPipe's, 1F1B's or torch's interleaved 1F1B order, run
+by our own loop (`pipeline_runner.py`, leaner per action than torch's executor); interleaved
+zero-bubble, whose backward splits into input and weight halves, runs on torch's
+`PipelineStage` and schedule class.
 
 Shapes. The first time a microbatch shape is seen, one forward-only pass runs the stages in
 order on one microbatch (random state and buffers restored afterwards): it gives every stage
@@ -23,8 +25,9 @@ are exactly those of one process running the same microbatches in order.
 Gradients. Microbatch gradients accumulate in the gradient buckets; a stage's last backward
 of the step (torch passes `last_backward`) runs as a synchronized backward, each bucket
 launching its reduction as soon as it is full, overlapping the rest of that backward and of
-the schedule, as DDP does in its last microbatch. Then torch's `perform_reduce_grad` marks the
-stage done, which settles parameters that had no gradient. The loss is divided by the
+the schedule, as DDP does in its last microbatch. Then the stage is marked done (the runner
+after that backward, torch's `perform_reduce_grad` under zero-bubble), which settles
+parameters that had no gradient. The loss is divided by the
 microbatch count before backward (torch's own scaling of `.grad` after the last backward would
 race with reductions already under way).
 
@@ -54,6 +57,7 @@ from ..random_state import rng_state, set_rng_state, without_trace
 from ..tensors import tensor_leaves
 from ..topology import Topology
 from .data import GradientSync
+from .pipeline_runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
 from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, split
 
 @dataclass
@@ -297,15 +301,22 @@ class Pipeline:
             cls = SCHEDULES[self.schedule_name].torch_class
             target = stages if self.layout.virtual > 1 else stages[0]
             compiled.stages[training] = stages
-            compiled.schedules[training] = cls(target, self.microbatches, loss_fn=self._microbatch_loss,
-                                               scale_grads=False) if training else cls(target, self.microbatches)
+            schedule = cls(target, self.microbatches, loss_fn=lambda loss, target: self._microbatch_loss(loss, target[0]),
+                           scale_grads=False) if training else cls(target, self.microbatches)
+            if self.schedule_name != "zero-bubble":  # a whole backward: our runner (pipeline_runner.py)
+                rank = self.topology.pp_rank
+                steps = single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) \
+                    if self.schedule_name in ("gpipe", "1f1b") else steps_of(schedule.pipeline_order[rank])
+                steps = [step for step in steps if training or step.forward]
+                schedule = OrderRunner(steps, [RunnerStage(st.stage_index, st.submod, *stage_metas(*compiled.examples[
+                    st.stage_index])) for st in stages], self.layout.num_stages, self.owner, self.group, self.device)
+            compiled.schedules[training] = schedule
         return compiled.schedules[training]
 
-    def _microbatch_loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss times its microbatch's weight (every sample of `target`
-        holds it), noted, and divided by the microbatch count for backward: gradients
-        accumulate to the mean over microbatches."""
-        loss = loss * target[0].to(loss.dtype)
+    def _microbatch_loss(self, loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss times its microbatch's weight, noted, and divided by the
+        microbatch count for backward: gradients accumulate to the mean over microbatches."""
+        loss = loss * weight.to(loss.dtype)
         self._losses.append(loss.detach())
         return loss / self.microbatches
 
@@ -360,7 +371,11 @@ class Pipeline:
         weights = torch.tensor(loss_weights or [1.0] * self.microbatches, device=self.device)
         target = weights.repeat_interleave(batch_size(batch) // self.microbatches)  # split like the batch
         try:
-            schedule.step(batch=batch, target=target, return_outputs=False)
+            if isinstance(schedule, OrderRunner):
+                schedule.run(split_batch(batch, self.microbatches), lambda i, loss: self._microbatch_loss(loss, weights[i]),
+                             self.backward_of, self.stage_done)
+            else:
+                schedule.step(batch=batch, target=target, return_outputs=False)
         finally:
             self._sync = None
         if compiled.random is not None:
@@ -382,7 +397,11 @@ class Pipeline:
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=False)
         self._begin(compiled, training=False)
-        merged = schedule.eval(batch=batch)
+        if isinstance(schedule, OrderRunner):
+            chunks = schedule.run(split_batch(batch, parts), None, None, None)
+            merged = tuple(torch.cat(leaves) for leaves in zip(*chunks)) if chunks[0] is not None else ()
+        else:
+            merged = schedule.eval(batch=batch)
         result = None
         last_owner = self.owner(self.layout.num_stages - 1)
         if self.topology.rank == last_owner:

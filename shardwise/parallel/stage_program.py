@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..batch import loss_of
 from ..errors import ModelError
@@ -383,46 +383,59 @@ class StageModule(nn.Module):
         self.part = part
         self.last = last
         self.device = device
+        self._calls: list | None = None  # per step: spec, fixed leaves, slots (built at the first call)
         self.units = nn.ModuleDict()  # for PipelineStage's parameter bookkeeping only
         for index in part.steps:
             unit = program.steps[index].unit
             if unit is not None and unit.replace(".", "/") not in self.units:
                 self.units[unit.replace(".", "/")] = root.get_submodule(unit)
 
+    def _resolved(self, step: Step) -> tuple[Any, list, list[tuple[int, int]], list[tuple[int, str]]]:
+        """A step's arguments flattened once: their spec, the leaves fixed for every call
+        (constants, constant tensors on this device) and the slots filled per call."""
+        leaves, spec = tree_flatten((step.args, step.kwargs))
+        refs, named = [], []
+        for slot, leaf in enumerate(leaves):
+            if isinstance(leaf, Ref):
+                refs.append((slot, leaf.id))
+            elif isinstance(leaf, Named):
+                named.append((slot, leaf.name))
+            elif isinstance(leaf, torch.Tensor):
+                leaves[slot] = leaf.to(self.device)
+            elif isinstance(leaf, torch.device):
+                leaves[slot] = self.device if leaf.type != self.device.type else leaf
+        return spec, leaves, refs, named
+
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         root = self._root[0]
         env: dict[int, Any] = dict(zip(self.program.inputs, tensor_leaves(batch)))
         env.update(zip(self.part.receives, received))
-
-        def resolve(leaf: Any) -> Any:
-            if isinstance(leaf, Ref):
-                return env[leaf.id]
-            if isinstance(leaf, Named):
-                return _named(root, leaf.name)
-            if isinstance(leaf, torch.Tensor):
-                return leaf.to(self.device)
-            if isinstance(leaf, torch.device):
-                return self.device if leaf.type != self.device.type else leaf
-            return leaf
-
-        for index in self.part.steps:
-            step = self.program.steps[index]
-            self.before_step(index)
-            args, kwargs = tree_map(resolve, step.args), tree_map(resolve, step.kwargs)
+        if self._calls is None:
+            self._calls = [(self.program.steps[index], *self._resolved(self.program.steps[index]))
+                           for index in self.part.steps]
+        for step, spec, fixed, refs, named in self._calls:
+            self.before_step(step.index)
+            leaves = list(fixed)
+            for slot, value in refs:
+                leaves[slot] = env[value]
+            for slot, name in named:  # read per call: parameters may be swapped (ZeRO-3, checkpoints)
+                leaves[slot] = _named(root, name)
+            args, kwargs = tree_unflatten(leaves, spec)
             with torch.set_grad_enabled(step.grad and torch.is_grad_enabled()):
                 if step.unit is not None:
                     out = root.get_submodule(step.unit)(*args, **kwargs)
                 else:
                     out = step.func(*args, **kwargs)
-            leaves = tree_flatten(out)[0]
-            tensors = [leaves[i] for i in step.tensor_slots]
-            env.update(zip(step.outputs, tensors))
+            if isinstance(out, torch.Tensor) and step.tensor_slots == [0]:
+                env[step.outputs[0]] = out
+            else:
+                leaves = tree_flatten(out)[0]
+                env.update(zip(step.outputs, (leaves[i] for i in step.tensor_slots)))
         if self.last:
             return tree_map(lambda leaf: env[leaf.id] if isinstance(leaf, Ref) else leaf, self.program.output)
         sent = tuple(env[v] for v in self.part.sends)
         # torch's zero-bubble backward detaches outputs in place: send views as their own tensors
         return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in sent)
-
 
     def before_step(self, index: int) -> None:
         """Called before each step runs (the random schedule sets the generator here)."""
