@@ -29,6 +29,7 @@ from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
 from .parallel.context import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
+from .parallel.buffers import BufferBroadcast, sync_batchnorm
 from .parallel.data import apply_data_parallel
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
@@ -166,6 +167,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
         pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                             config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
                             functools.partial(forward_context, tensor_parallel, context_parallel, module))
+    if config.sync_batchnorm and topology.sizes["dp"] > 1:
+        sync_batchnorm(module, topology.group("dp"))
     fp32_values = apply_mixed_precision(module, config)
     units = zero3_units(module) if config.zero == 3 else None
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
@@ -174,10 +177,13 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     param_shards = ParameterShards(module, gradients, units) if config.zero == 3 else None
     optimizer_params = OptimizerParams(module, gradients, topology, fp32_values,
                                        _first_holders(module, index.tied or {}, topology.pp_rank))
+    buffers = None
+    if config.broadcast_buffers and topology.size("dp", "cp") > 1 and any(True for _ in module.buffers()):
+        buffers = BufferBroadcast(module, topology.group("dp", "cp"), topology.group_ranks("dp", "cp")[0])
     return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
                           pipeline=pipeline, gradients=gradients, param_shards=param_shards,
                           optimizer_params=optimizer_params, recomputed=recomputed,
-                          context_parallel=context_parallel)
+                          context_parallel=context_parallel, buffers=buffers)
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

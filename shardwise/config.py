@@ -78,6 +78,11 @@ class ParallelConfig:
         list (or of the plan's `recompute` modules) rebuilt in backward instead of kept.
     sequence_dim: the dimension of the batch tensors that indexes tokens, along which
         context parallelism (cp > 1) splits them.
+    broadcast_buffers: after each train_step (and training-mode infer_step; before each plain
+        forward, as DDP), every replica's buffers (BatchNorm running statistics) become
+        data-parallel rank 0's.
+    sync_batchnorm: BatchNorm layers take their training statistics over the whole
+        data-parallel batch (torch.nn.SyncBatchNorm's semantics, on any device).
     """
 
     dp: int | None = None
@@ -95,6 +100,8 @@ class ParallelConfig:
     reduce_dtype: torch.dtype | None = None
     recompute: str | None = None
     sequence_dim: int = 1
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         if self.dp is not None:
@@ -113,8 +120,12 @@ class ParallelConfig:
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim < 1:
             raise ConfigError(f"sequence_dim={self.sequence_dim!r} must be the batch tensors' token dimension, an "
                               "integer >= 1 (dim 0 is the batch)")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        for name in ("sequence_parallel", "broadcast_buffers", "sync_batchnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.sync_batchnorm and self.cp > 1:
+            raise ConfigError("sync_batchnorm=True takes BatchNorm statistics over the data-parallel batch, and cp > 1 "
+                              "splits each sample's tokens over ranks too: use cp=1 with BatchNorm models")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")

@@ -23,6 +23,7 @@ from . import report, state
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .coordination import Fingerprint, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .parallel.buffers import BufferBroadcast
 from .parallel.context import ContextParallel
 from .parallel.data import GradientBuckets
 from .parallel.pipeline import Pipeline
@@ -44,7 +45,7 @@ class ParallelModule(nn.Module):
                  index: ModelIndex, *, gradients: GradientBuckets, optimizer_params: OptimizerParams,
                  tensor_parallel: TensorParallel | None = None, pipeline: Pipeline | None = None,
                  param_shards: ParameterShards | None = None, recomputed: list[str] | None = None,
-                 context_parallel: ContextParallel | None = None):
+                 context_parallel: ContextParallel | None = None, buffers: BufferBroadcast | None = None):
         super().__init__()
         self.module = module
         self.topology = topology
@@ -56,6 +57,7 @@ class ParallelModule(nn.Module):
         self.pipeline = pipeline
         self.context_parallel = context_parallel
         self.gradients = gradients
+        self.broadcast_buffers = buffers or (lambda: None)  # config.broadcast_buffers (dp or cp > 1, any buffers)
         self.param_shards = param_shards  # ZeRO-3
         self.optimizer_params = optimizer_params
         self.recomputed = recomputed or []  # modules whose activations are rebuilt in backward
@@ -100,6 +102,7 @@ class ParallelModule(nn.Module):
                 "Ranks of one replica (its tp, cp and pp ranks) must call the module with the same inputs",
                 peers=self.topology.peer_groups("pp", "cp", "tp"))])
         with self.in_step("forward"), self.loss_parallel():
+            self.broadcast_buffers()  # before, as DDP: the backward that follows has no hook at its end
             return self.run_module(*args, **kwargs)
 
     @property
@@ -203,6 +206,7 @@ class ParallelModule(nn.Module):
                             gradients.loss(local_mean)
                         (loss / parts if parts > 1 else loss).backward()
             mean = gradients.finish(local_mean)
+            self.broadcast_buffers()
         if gradients.syncing:
             self.after_sync()
         return mean
@@ -233,6 +237,8 @@ class ParallelModule(nn.Module):
                 out = map_tensors(self.run_module(step.batch), lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
             if self.context_parallel is not None:
                 out = self.context_parallel.whole_outputs(out, step.loss_weights[0])
+            if self.module.training:  # BatchNorm statistics moved
+                self.broadcast_buffers()
             return out
 
     @contextlib.contextmanager

@@ -86,6 +86,11 @@ def _apply(x: torch.Tensor, forward_op, backward_op, group, dim: int = 0) -> tor
     return _Collective.apply(x, forward_op, backward_op, group, dim)
 
 
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of `x` over `group`, differentiable: its gradient is the sum of the ranks' gradients."""
+    return _apply(x, _all_reduce, _all_reduce, group)
+
+
 def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.ProcessGroup) -> torch.Tensor:
     """Move a local tensor from placement `src` to `dst` on the tp group."""
     if src == dst:
