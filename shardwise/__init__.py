@@ -5,6 +5,7 @@ from .activations import ActivationMemory, activation_memory
 from .checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .deferred import deferred_init
+from .groups import current_topology, gather, reduce, split
 from .errors import (
     BatchError,
     CheckpointError,
@@ -42,13 +43,17 @@ __all__ = [
     "Topology",
     "activation_memory",
     "build_optimizer",
+    "current_topology",
     "data_parallel_info",
     "deferred_init",
+    "gather",
     "init_distributed",
     "load_checkpoint",
     "merge_checkpoint",
     "parallelize",
     "plan",
+    "reduce",
     "save_checkpoint",
+    "split",
     "testing",
 ]

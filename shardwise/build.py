@@ -29,6 +29,7 @@ from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
 from .parallel.context import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
+from .groups import running
 from .parallel.buffers import BufferBroadcast, sync_batchnorm
 from .parallel.data import apply_data_parallel
 from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
@@ -84,7 +85,7 @@ def parallelize(
     if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
         config = _without_zero(config)  # dp * cp == 1
     topology = Topology(config)
-    with coordinator.body("parallelize"):
+    with coordinator.body("parallelize"), running(topology):
         return _build(module, topology, chosen, resolved, pipelined)
 
 

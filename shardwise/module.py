@@ -23,6 +23,7 @@ from . import report, state
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .coordination import Fingerprint, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .groups import running
 from .parallel.buffers import BufferBroadcast
 from .parallel.context import ContextParallel
 from .parallel.data import GradientBuckets
@@ -215,7 +216,7 @@ class ParallelModule(nn.Module):
     def in_step(self, op: str) -> Iterator[None]:
         """The body of an agreed operation: an exception escaping it on this rank alone puts
         this rank out of step (see coordination.py)."""
-        with self.coordinator.body(op):
+        with self.coordinator.body(op), running(self.topology):
             yield
 
     def after_sync(self) -> None:
