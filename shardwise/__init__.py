@@ -2,6 +2,7 @@
 
 from . import plan, testing
 from .activations import ActivationMemory, activation_memory
+from .parity_check import CheckReport, check
 from .checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .deferred import deferred_init
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ActivationMemory",
     "BatchError",
+    "CheckReport",
     "CheckpointError",
     "Cluster",
     "CommunicationError",
@@ -43,6 +45,7 @@ __all__ = [
     "Topology",
     "activation_memory",
     "build_optimizer",
+    "check",
     "current_topology",
     "data_parallel_info",
     "deferred_init",

@@ -274,3 +274,41 @@ def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: i
     click.echo(table(result))
     if explain_first:
         click.echo("\n" + result[0].explain())
+
+
+@main.command()
+@click.argument("model")
+@click.argument("batches")
+@click.option("--ranks", required=True, type=POSITIVE, help="Local processes to run the layout on.")
+@click.option("--tp", default=1, show_default=True, type=POSITIVE)
+@click.option("--pp", default=1, show_default=True, type=POSITIVE)
+@click.option("--cp", default=1, show_default=True, type=POSITIVE)
+@click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3))
+@click.option("--microbatches", default=1, show_default=True, type=POSITIVE)
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
+@click.option("--sequence-parallel", is_flag=True)
+@click.option("--plan", "plan_name", default=None, help="A zoo plan name, a plan .json file, or auto.")
+@click.option("--steps", default=3, show_default=True, type=POSITIVE, help="SGD steps compared.")
+@click.option("--lr", default=1e-2, show_default=True, type=click.FloatRange(min=0.0, min_open=True))
+@click.option("--tolerance", default=None, type=click.FloatRange(min=0.0, min_open=True),
+              help="Largest relative difference accepted (default 1e-2; 5e-2 under half precision).")
+def check(model: str, batches: str, ranks: int, tp: int, pp: int, cp: int, zero: int, microbatches: int,
+          schedule: str, sequence_parallel: bool, plan_name: str | None, steps: int, lr: float,
+          tolerance: float | None) -> None:
+    """Train MODEL (pkg.module:factory) on one process and in the layout on local ranks, on the
+    global batches BATCHES (pkg.module:factory returning a list) gives; compare gradients,
+    parameters and losses per module. Exit status 1 when they disagree."""
+    import os
+    import sys
+
+    from .parity_check import check as run_check
+
+    if os.getcwd() not in sys.path:  # the user's package, as `python -m` would find it (the ranks inherit it)
+        sys.path.insert(0, os.getcwd())
+    config = ParallelConfig(tp=tp, pp=pp, cp=cp, zero=zero, microbatches=microbatches, schedule=schedule,
+                            sequence_parallel=sequence_parallel)
+    report = run_check(model, batches, config, ranks=ranks, plan=plan_name, steps=steps, lr=lr, tolerance=tolerance)
+    click.echo(f"shardwise check: {config.describe()} on {ranks} ranks, plan {plan_name or 'none'}, {steps} steps")
+    click.echo(report.table())
+    if not report.ok:
+        sys.exit(1)
