@@ -70,6 +70,21 @@ class ParallelOptimizer:
         for grad in self._pmodel.optimizer_params.grads():
             grad.mul_(factor)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state keyed by the original module's parameter names, on every
+        rank: {"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}. Collective."""
+        from .checkpoint.optimizer_state import full_optimizer_state
+
+        return full_optimizer_state(self._pmodel, self)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole optimizer state: `full_state_dict()`'s form, or torch's own (integer ids,
+        a one-process `optimizer.state_dict()` or `shardwise merge --optimizer`'s file) from an
+        optimizer with the same parameter groups. Collective; checked on every rank first."""
+        from .checkpoint.optimizer_state import load_full_optimizer_state
+
+        load_full_optimizer_state(self._pmodel, self, state_dict)
+
     def register_reduce_hook(self, pre: Callable[[torch.Tensor], None] | None = None,
                              post: Callable[[torch.Tensor], None] | None = None) -> None:
         """Call `pre(grads)` on each gradient bucket before its collective and `post(grads)` on

@@ -191,13 +191,21 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
     path = Path(path)
     topology = pmodel.topology
     if path.is_file():
-        state, problem = None, None
+        state, optimizer_state, problem = None, None, None
+        beside = path.with_name(path.name + ".optimizer.pt")
         try:
             state = _read_state_dict(path)
+            if optimizer is not None:
+                if not beside.is_file():
+                    raise CheckpointError(f"{str(path)!r} is a merged state dict with no optimizer state beside it "
+                                          f"({str(beside)!r}): merge with --optimizer, or load with optimizer=None")
+                optimizer_state = _read_state_dict(beside)
         except CheckpointError as exc:
             problem = exc
         topology.coordinator.agree("load_checkpoint", problem)
         pmodel.load_full_state_dict(state)
+        if optimizer is not None:
+            optimizer.load_full_state_dict(optimizer_state)
         return None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
