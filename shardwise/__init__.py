@@ -18,6 +18,7 @@ from .errors import (
     ShardwiseError,
 )
 from .build import parallelize
+from .loss_scale import LossScaler
 from .module import DataParallelInfo, ParallelModule, data_parallel_info
 from .optim import build_optimizer
 from .plan import Plan
@@ -35,6 +36,7 @@ __all__ = [
     "CommunicationError",
     "ConfigError",
     "DataParallelInfo",
+    "LossScaler",
     "ModelError",
     "ParallelConfig",
     "ParallelModule",

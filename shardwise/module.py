@@ -63,6 +63,7 @@ class ParallelModule(nn.Module):
         self.optimizer_params = optimizer_params
         self.recomputed = recomputed or []  # modules whose activations are rebuilt in backward
         self.optimizers: list = []  # those built by sw.build_optimizer, for memory reports
+        self.loss_scaler = None  # a LossScaler its optimizer attached (float16): train_step scales the loss
         self.steps = 0  # train_step calls, saved in checkpoints
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
@@ -192,7 +193,8 @@ class ParallelModule(nn.Module):
         with self.in_step("train_step"), self.gradients.step(step.replica_weight) as gradients, self.loss_parallel():
             if self.pipeline is not None:
                 with gradients.pipelined() as sync:
-                    local_mean = self.pipeline.train_step(step.batch, sync, step.loss_weights)
+                    local_mean = self.pipeline.train_step(step.batch, sync, step.loss_weights,
+                                                          self.loss_scaler.scale if self.loss_scaler else 1.0)
                 gradients.loss(local_mean)
             else:
                 losses = []
@@ -205,7 +207,8 @@ class ParallelModule(nn.Module):
                         local_mean = torch.stack(losses).float().mean()
                         if i == parts - 1:  # averaged over replicas along with the gradients
                             gradients.loss(local_mean)
-                        (loss / parts if parts > 1 else loss).backward()
+                        scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
+                        (scaled / parts if parts > 1 else scaled).backward()
             mean = gradients.finish(local_mean)
             self.broadcast_buffers()
         if gradients.syncing:

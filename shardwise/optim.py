@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .errors import ShardwiseError
+from .loss_scale import LossScaler
 from .module import ParallelModule
 
 
@@ -25,24 +26,49 @@ class ParallelOptimizer:
     rank's shard of them (ZeRO), or float32 master copies (mixed precision).
     """
 
-    def __init__(self, params: Any, *args: Any, pmodel: ParallelModule, **kwargs: Any) -> None:
+    def __init__(self, params: Any, *args: Any, pmodel: ParallelModule, loss_scaler: LossScaler | None = None,
+                 **kwargs: Any) -> None:
         self._pmodel = pmodel
+        self.loss_scaler = loss_scaler
+        self._found_inf: bool | None = None  # this step's verdict once its gradients are unscaled
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
+
+    def _unscale(self, ready: Callable[[], None]) -> bool:
+        """With a loss scaler: check every rank's gradients for inf/NaN and, if clean, divide
+        them by the scale (once per step). Returns whether the step must be skipped."""
+        if self.loss_scaler is None:
+            return False
+        if self._found_inf is None:
+            params = self._pmodel.optimizer_params
+            self._found_inf = params.nonfinite(before_collectives=ready)
+            if not self._found_inf:
+                inverse = 1.0 / self.loss_scaler.scale  # a power of two: exact
+                for grad in params.grads():
+                    grad.mul_(inverse)
+        return self._found_inf
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         pmodel = self._pmodel
         pending = pmodel.gradients.pending
-        with pmodel.collective("optimizer.step", communicates=pending or pmodel.config.zero > 0) as ready:
+        communicates = pending or pmodel.config.zero > 0 or self.loss_scaler is not None
+        with pmodel.collective("optimizer.step", communicates=communicates) as ready:
             if pending:
                 ready()
                 pmodel.gradients.finish()
                 pmodel.after_sync()
             pmodel.optimizer_params.load_grads()
-            result = super().step(closure)  # type: ignore[misc]
-            pmodel.optimizer_params.write_back(before_collectives=ready)
+            skip = self._unscale(ready)
+            result = None
+            if not skip:
+                result = super().step(closure)  # type: ignore[misc]
+                pmodel.optimizer_params.write_back(before_collectives=ready)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(skip)
+                self._found_inf = None
             return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._found_inf = None
         self._pmodel.zero_grad(set_to_none)
         self._pmodel.optimizer_params.zero_grad()
 
@@ -58,6 +84,8 @@ class ParallelOptimizer:
                 ready()
                 pmodel.gradients.finish()
                 pmodel.after_sync()
+            if self._unscale(ready):  # inf/NaN: the step will be skipped; the norm says so, as torch's does
+                return torch.tensor(float("inf"), device=pmodel.topology.device)
             total = pmodel.optimizer_params.gradient_norm(norm_type, before_collectives=ready)
             coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
             for grad in self._pmodel.optimizer_params.grads():
@@ -102,13 +130,21 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
 
     `optimizer_class` is a `torch.optim.Optimizer` subclass, or `functools.partial` of one
     (its bound arguments are kept). Pass `params=[{"params": [...], "lr": ...}, ...]` for parameter groups; they must be
-    parameters of `pmodel`.
+    parameters of `pmodel`. `loss_scaler`: a `sw.LossScaler` (default: one when param_dtype is
+    float16, else None), whose scale train_step multiplies the loss by; steps with inf/NaN
+    gradients are then skipped (loss_scale.py).
     """
     if not isinstance(pmodel, ParallelModule):
         raise ShardwiseError(
             f"build_optimizer needs the ParallelModule returned by sw.parallelize, got {type(pmodel).__name__}; "
             "call sw.build_optimizer(pmodel, ...) with the parallelized module"
         )
+    loss_scaler = kwargs.pop("loss_scaler", LossScaler() if pmodel.config.param_dtype == torch.float16 else None)
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise ShardwiseError(f"build_optimizer(loss_scaler={loss_scaler!r}): give a sw.LossScaler(...) or None")
+    if loss_scaler is not None and pmodel.loss_scaler is not None:
+        raise ShardwiseError("build_optimizer: this ParallelModule already has an optimizer with a loss scaler; "
+                             "one loss scale drives train_step, so build one optimizer with parameter groups")
     params = kwargs.pop("params", None)
     if params is None:
         params = [p for p in pmodel.parameters() if p.requires_grad]
@@ -128,8 +164,9 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
         )
     parallel_class = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
     optimizer = parallel_class(pmodel.optimizer_params.param_groups(groups), *bound_args, pmodel=pmodel,
-                               **{**bound_kwargs, **kwargs})
+                               loss_scaler=loss_scaler, **{**bound_kwargs, **kwargs})
     pmodel.optimizers.append(optimizer)
+    pmodel.loss_scaler = loss_scaler if loss_scaler is not None else pmodel.loss_scaler
     return optimizer
 
 

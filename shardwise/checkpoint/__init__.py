@@ -110,7 +110,9 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
             "optimizer": optimizer is not None, "files": {str(r): c for r, c in enumerate(agreement.values())},
         }
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-        problem = _attempt(lambda: publish(path, staging, meta, {"param_groups": hyper, "extra": extra}),
+        scaler = getattr(optimizer, "loss_scaler", None)
+        saved = {"param_groups": hyper, "extra": extra, "loss_scaler": scaler.state_dict() if scaler else None}
+        problem = _attempt(lambda: publish(path, staging, meta, saved),
                            f"cannot publish the checkpoint in {str(path)!r}")
     try:
         coordinator.agree("save_checkpoint/publish", problem)
@@ -227,6 +229,8 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
                 optimizer.state[master] = state
             for group, saved in zip(optimizer.param_groups, reader.saved["param_groups"]):
                 group.update(saved)
+            if reader.saved.get("loss_scaler") and getattr(optimizer, "loss_scaler", None) is not None:
+                optimizer.loss_scaler.load_state_dict(reader.saved["loss_scaler"])
         pmodel.optimizer_params.write_back()  # ZeRO: whole parameters from the loaded shards
         pmodel.steps = reader.meta["steps"]
         if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:

@@ -214,6 +214,7 @@ class Pipeline:
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
         self._losses: list[torch.Tensor] = []  # the last stage's microbatch losses this step
+        self._loss_scale = 1.0
         self._compiled: dict[tuple, Compiled] = {}
         self._captured = {(self._signature(sample), module.training): program}
 
@@ -318,7 +319,7 @@ class Pipeline:
         microbatch count for backward: gradients accumulate to the mean over microbatches."""
         loss = loss * weight.to(loss.dtype)
         self._losses.append(loss.detach())
-        return loss / self.microbatches
+        return (loss.float() * self._loss_scale if self._loss_scale != 1.0 else loss) / self.microbatches
 
     def _begin(self, compiled: Compiled, training: bool) -> None:
         for stage in compiled.stages[training]:
@@ -357,10 +358,12 @@ class Pipeline:
 
     # running -----------------------------------------------------------------------------------
     def train_step(self, batch: Any, sync: GradientSync | None = None,
-                   loss_weights: list[float] | None = None) -> torch.Tensor:
+                   loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> torch.Tensor:
         """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank.
         With `sync`, each stage's gradients are reduced from its last backward on;
-        `loss_weights` scale each microbatch's loss (context parallelism's shares)."""
+        `loss_weights` scale each microbatch's loss (context parallelism's shares), and
+        `loss_scale` the loss backward starts from (float16's loss scaler)."""
+        self._loss_scale = loss_scale
         microbatch = split_batch(batch, self.microbatches)[0]
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=True)

@@ -187,6 +187,19 @@ class OptimizerParams:
             self.topology.wait(work, "all-reduce of the gradient norm", world)
         return total[0] if inf else total[0] ** (1.0 / norm_type)
 
+    def nonfinite(self, before_collectives: Callable[[], None] = lambda: None) -> bool:
+        """Whether any rank's gradients hold inf or NaN (one all-reduce over the world)."""
+        grads = self.grads()
+        found = torch.zeros(1, device=self.topology.device)
+        if grads:  # on the device, one host sync at the end
+            found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
+        if self.topology.world_size > 1:
+            before_collectives()
+            world = self.topology.group("pp", "dp", "cp", "tp")
+            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=world, async_op=True)
+            self.topology.wait(work, "all-reduce of the inf/NaN check", world)
+        return bool(found.item())
+
     def state_bytes(self) -> int:
         """Bytes of master copies (those that are not the model itself)."""
         return sum(p.optimized.numel() * p.optimized.element_size() for ps in self.pieces.values() for p in ps
