@@ -22,6 +22,7 @@ from .loss_scale import LossScaler
 from .module import DataParallelInfo, ParallelModule, data_parallel_info
 from .optim import build_optimizer
 from .plan import Plan
+from .step_output import StepOutput
 from .planner import Cluster
 from .topology import Topology, init_distributed
 
@@ -44,6 +45,7 @@ __all__ = [
     "PlanError",
     "RankFailedError",
     "ShardwiseError",
+    "StepOutput",
     "Topology",
     "activation_memory",
     "build_optimizer",

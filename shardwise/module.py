@@ -21,8 +21,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
-from .coordination import Fingerprint, fingerprint_of
-from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .coordination import Fingerprint, _agreed, fingerprint_of
+from .errors import BatchError, ConfigError, ModelError, PlanError, ShardwiseError
 from .groups import running
 from .parallel.buffers import BufferBroadcast
 from .parallel.context import ContextParallel
@@ -33,6 +33,7 @@ from .parallel.zero import OptimizerParams
 from .parallel.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
+from .step_output import StepOutput, check_reduce, concatenated, detached, tokens_of
 from .tensors import is_sharded, local
 from .topology import Topology
 
@@ -173,14 +174,21 @@ class ParallelModule(nn.Module):
             yield ready
             ready()
 
-    def train_step(self, batch: Any) -> torch.Tensor:
+    def train_step(self, batch: Any, reduce: str = "mean", outputs: bool = False) -> torch.Tensor | StepOutput:
         """Forward and backward over `config.microbatches` slices of `batch`.
 
         Gradients are the mean over microbatches and replicas weighted by their sample
         counts (exactly as one process computes them on the replicas' batches concatenated);
         returns the mean loss, detached, the same on every rank. Inside `no_sync()`
-        gradients are only accumulated and the loss is this replica's.
+        gradients are only accumulated and the loss is this replica's. `reduce="sum"` sums
+        over microbatches instead, `reduce="tokens"` weights each by the token count its
+        forward returns second; `outputs=True` returns a `StepOutput` with the forward's
+        outputs too (step_output.py).
         """
+        check_reduce(reduce, outputs, self.pipeline is not None, self.context_parallel is not None)
+        if reduce == "tokens" and not self.gradients.sync_enabled:
+            raise ConfigError("train_step(reduce='tokens') inside no_sync(): the token total that weights the "
+                              "gradients is only known at the synchronizing step; accumulate with microbatches")
         self.steps += 1
         if self.config.zero and not self.optimizers and self.steps == 1:
             warnings.warn(f"zero={self.config.zero}: gradients live in the optimizer's shards, so only an optimizer built "
@@ -190,30 +198,65 @@ class ParallelModule(nn.Module):
         step = self.agree_on_batch("train_step", batch, parts, self._checking())
         if self.context_parallel is not None:
             self.context_parallel.reset_traffic()
-        with self.in_step("train_step"), self.gradients.step(step.replica_weight) as gradients, self.loss_parallel():
+        weight = 1.0 if reduce == "tokens" else step.replica_weight  # tokens: set at the last microbatch
+        kept, tokens = [], None
+        with self.in_step("train_step"), self.gradients.step(weight) as gradients, self.loss_parallel():
             if self.pipeline is not None:
                 with gradients.pipelined() as sync:
-                    local_mean = self.pipeline.train_step(step.batch, sync, step.loss_weights,
-                                                          self.loss_scaler.scale if self.loss_scaler else 1.0)
-                gradients.loss(local_mean)
+                    local = self.pipeline.train_step(step.batch, sync, step.loss_weights,
+                                                     self.loss_scaler.scale if self.loss_scaler else 1.0, reduce)
+                gradients.loss(local)
             else:
-                losses = []
-                for i, microbatch in enumerate(step.microbatches):
-                    with gradients.microbatch(last=i == parts - 1):
-                        loss = loss_of(self.run_module(microbatch))
-                        if step.loss_weights is not None:
-                            loss = loss * step.loss_weights[i]
-                        losses.append(loss.detach())
-                        local_mean = torch.stack(losses).float().mean()
-                        if i == parts - 1:  # averaged over replicas along with the gradients
-                            gradients.loss(local_mean)
-                        scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
-                        (scaled / parts if parts > 1 else scaled).backward()
-            mean = gradients.finish(local_mean)
+                local, kept, tokens = self._accumulate(step, gradients, reduce, outputs)
+            mean = gradients.finish(local)
             self.broadcast_buffers()
         if gradients.syncing:
             self.after_sync()
-        return mean
+        if tokens is not None:
+            mean, tokens = tokens[0] / tokens[1], int(tokens[1])
+        return StepOutput(mean, concatenated(kept), tokens) if outputs else mean
+
+    def _accumulate(self, step: "StepBatch", gradients, reduce: str, keep: bool):
+        """Forward and backward of each microbatch (no pipeline); returns this replica's loss
+        as `reduce` combines it, the kept outputs, and under "tokens" (Σ loss·n, Σ n) over
+        every replica, which also sets the replicas' gradient weight before the last backward."""
+        losses, kept, counts, tokens = [], [], [], None
+        parts = len(step.microbatches)
+        for i, microbatch in enumerate(step.microbatches):
+            with gradients.microbatch(last=i == parts - 1):
+                out = self.run_module(microbatch)
+                loss = loss_of(out)
+                if step.loss_weights is not None:
+                    loss = loss * step.loss_weights[i]
+                if reduce == "tokens":
+                    counts.append(tokens_of(out).to(loss.device))
+                    loss = loss * counts[-1]
+                if keep:
+                    kept.append(detached(out))
+                losses.append(loss.detach())
+                stacked = torch.stack(losses).float()
+                local = stacked.mean() if reduce == "mean" else stacked.sum()
+                if i == parts - 1:  # averaged over replicas along with the gradients
+                    if reduce == "tokens":
+                        tokens = self._token_totals(local, torch.stack(counts).sum())
+                    gradients.loss(local)
+                scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
+                (scaled / parts if reduce == "mean" and parts > 1 else scaled).backward()
+        return local, kept, tokens
+
+    def _token_totals(self, weighted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss·n, Σ n) over every replica; the gradients, which hold Σ n·∇loss, are
+        weighted replicas/Σn so that their mean over replicas is ∇(Σ loss·n / Σ n)."""
+        totals = torch.stack([weighted.float(), count.float()]).to(self.topology.device)
+        replicas = self.topology.size("dp")
+        if replicas > 1:
+            dp = self.topology.group("dp")
+            self.coordinator.wait(dist.all_reduce(totals, group=dp, async_op=True), "train_step: token counts", dp)
+        if float(totals[1]) <= 0:
+            raise _agreed(ModelError, f"train_step(reduce='tokens'): the step's batches hold {float(totals[1]):g} tokens in all; "
+                             "the loss is a mean over tokens, so there must be some")
+        self.gradients.replica_weight = replicas / float(totals[1])
+        return totals[0], totals[1]
 
     @contextlib.contextmanager
     def in_step(self, op: str) -> Iterator[None]:

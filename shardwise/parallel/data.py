@@ -229,7 +229,11 @@ class GradientBuckets:
         """
         if not self.pending:
             return None
-        if not self.buckets:  # nothing to reduce: gradients are already final
+        if not self.buckets:  # nothing to reduce: gradients are final once weighted
+            if self.replica_weight != 1.0:  # (reduce="tokens" weights even a lone replica)
+                for param in self.params:
+                    if param.grad is not None:
+                        param.grad.mul_(self.replica_weight)
             loss = self.summary.loss
             self._reset_window()
             return loss

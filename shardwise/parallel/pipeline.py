@@ -214,7 +214,7 @@ class Pipeline:
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
         self._losses: list[torch.Tensor] = []  # the last stage's microbatch losses this step
-        self._loss_scale = 1.0
+        self._loss_scale, self._parts = 1.0, microbatches
         self._compiled: dict[tuple, Compiled] = {}
         self._captured = {(self._signature(sample), module.training): program}
 
@@ -316,10 +316,12 @@ class Pipeline:
 
     def _microbatch_loss(self, loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The last stage's loss times its microbatch's weight, noted, and divided by the
-        microbatch count for backward: gradients accumulate to the mean over microbatches."""
+        microbatch count for backward (under reduce="mean"): gradients accumulate to the mean
+        over microbatches."""
         loss = loss * weight.to(loss.dtype)
         self._losses.append(loss.detach())
-        return (loss.float() * self._loss_scale if self._loss_scale != 1.0 else loss) / self.microbatches
+        scaled = loss.float() * self._loss_scale if self._loss_scale != 1.0 else loss
+        return scaled / self._parts if self._parts > 1 else scaled
 
     def _begin(self, compiled: Compiled, training: bool) -> None:
         for stage in compiled.stages[training]:
@@ -358,12 +360,13 @@ class Pipeline:
 
     # running -----------------------------------------------------------------------------------
     def train_step(self, batch: Any, sync: GradientSync | None = None,
-                   loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+                   loss_weights: list[float] | None = None, loss_scale: float = 1.0, reduce: str = "mean") -> torch.Tensor:
         """Run the schedule on `batch`; the mean microbatch loss on every pipeline rank.
         With `sync`, each stage's gradients are reduced from its last backward on;
         `loss_weights` scale each microbatch's loss (context parallelism's shares), and
-        `loss_scale` the loss backward starts from (float16's loss scaler)."""
-        self._loss_scale = loss_scale
+        `loss_scale` the loss backward starts from (float16's loss scaler); `reduce="sum"`
+        sums the microbatches' losses and gradients instead of averaging them."""
+        self._loss_scale, self._parts = loss_scale, self.microbatches if reduce == "mean" else 1
         microbatch = split_batch(batch, self.microbatches)[0]
         compiled = self.compiled(microbatch)
         schedule = self._schedule(compiled, training=True)
@@ -384,8 +387,9 @@ class Pipeline:
         if compiled.random is not None:
             compiled.random.finish()
         last_owner = self.owner(self.layout.num_stages - 1)
-        mean = torch.stack([l.float() for l in self._losses]).mean().reshape(1) if self._losses else \
-            torch.zeros(1, device=self.device)
+        stacked = torch.stack([l.float() for l in self._losses]) if self._losses else None
+        mean = torch.zeros(1, device=self.device) if stacked is None else \
+            (stacked.mean() if reduce == "mean" else stacked.sum()).reshape(1)
         self._losses = []
         dist.broadcast(mean, src=last_owner, group=self.group)
         return mean[0]

@@ -1,0 +1,134 @@
+"""train_step(reduce=..., outputs=True): summed microbatches, token-weighted losses, StepOutput.
+
+A small token model (embedding, tanh, vocabulary head) at dp=2 with 2 microbatches, against
+one process, judged by tests/parity.py's bounds:
+- reduce="tokens": labels are masked unevenly (replica 0 keeps far more than replica 1, and
+  its microbatches differ), the forward returns (mean loss over its tokens, token count);
+  losses and gradients must be one process's mean over all the step's tokens at once. The
+  same at tp=2 with nothing sharded (dp=1: no replica to weight).
+- reduce="sum": one process's sum over the four microbatch slices, halved for the 2 replicas.
+- outputs=True: StepOutput.outputs holds this replica's logits, its two microbatches
+  concatenated, equal to one process's logits for the replica's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from parity import EPS_GRAD, EPS_LOSS, SGD, Run, assert_parity, full_grads, replica_slice
+
+STEPS = 3
+VOCAB, WIDTH, BATCH, SEQ = 16, 8, 8, 6
+
+
+class TokenModel(nn.Module):
+    def __init__(self, count_tokens: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.count_tokens = count_tokens
+
+    def forward(self, batch):
+        logits = self.head(torch.tanh(self.emb(batch["ids"])))
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        return (loss, (batch["labels"] != -100).sum()) if self.count_tokens else (loss, logits)
+
+
+def counting() -> TokenModel:
+    return TokenModel(True)
+
+
+def logits_model() -> TokenModel:
+    return TokenModel(False)
+
+
+def token_batches(masked: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        if masked:  # rows 0-3 (replica 0) keep 6, 5, 4, 3 labels; rows 4-7 (replica 1) keep 1 each
+            keep = torch.tensor([6, 5, 4, 3, 1, 1, 1, 1])
+            labels[torch.arange(SEQ)[None, :] >= keep[:, None]] = -100
+        out.append({"ids": ids, "labels": labels})
+    return out
+
+
+def reference(factory, batches, loss_of_batch) -> Run:
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    run = Run([], [], initial={k: v.detach().clone() for k, v in model.state_dict().items()})
+    run.parameter_of = {n: n for n, _ in model.named_parameters()}
+    for batch in batches:
+        loss = loss_of_batch(model, batch)
+        loss.backward()
+        run.grads.append(full_grads(model))
+        opt.step()
+        opt.zero_grad()
+        run.losses.append(float(loss.detach()))
+    run.final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return run
+
+
+def whole_batch_loss(model, batch):
+    return model(batch)[0]
+
+
+def summed_slices(model, batch):
+    """Σ over replicas and their microbatches of each slice's mean loss, over 2 replicas."""
+    return sum(model(replica_slice(batch, k, 4))[0] for k in range(4)) / 2
+
+
+def _train(config: dict, factory, batches, reduce: str, plan=None):
+    pm = sw.parallelize(factory(), sw.ParallelConfig(microbatches=2, **config), plan=plan)
+    opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+    index, count = sw.data_parallel_info(pm)
+    run, outputs = Run([], []), []
+    for batch in batches:
+        result = pm.train_step(replica_slice(batch, index, count), reduce=reduce, outputs=True)
+        run.losses.append(float(result.loss))
+        outputs.append((result.outputs[1], result.num_tokens))
+        if not run.grads:
+            run.grads.append({k: v.clone() for k, v in pm.full_grad_dict().items()})
+        opt.step()
+        opt.zero_grad()
+    run.final = {k: v.detach().clone() for k, v in pm.full_state_dict().items()}
+    return run, outputs
+
+
+def _layouts(masked, plain):
+    return {"tokens": _train({}, counting, masked, "tokens"),
+            "tokens tp2": _train({"tp": 2}, counting, masked, "tokens", plan=sw.Plan(name="none")),
+            "sum": _train({}, logits_model, plain, "sum")}
+
+
+def test_token_weighted_summed_and_concatenated_outputs():
+    masked, plain = token_batches(True), token_batches(False)
+    want_tokens = reference(counting, masked, whole_batch_loss)
+    want_sum = reference(logits_model, plain, summed_slices)
+    first = logits_model()
+    for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain)):
+        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("sum", want_sum)):
+            got, outputs = runs[name]
+            assert_parity(want, got)
+        _, token_outputs = runs["tokens"]
+        assert [n for _, n in token_outputs] == [int((b["labels"] != -100).sum()) for b in masked]
+        logits, tokens = runs["sum"][1][0]
+        assert tokens is None and logits.shape == (BATCH // 2, SEQ, VOCAB)
+        expected = first(replica_slice(plain[0], rank, 2))[1].detach()
+        scale = float(expected.abs().max())
+        assert float((logits - expected).abs().max()) <= EPS_LOSS * scale, "logits differ from one process's"
+
+
+def test_reduce_is_checked():
+    import pytest
+
+    with pytest.raises(sw.ConfigError):
+        from shardwise.step_output import check_reduce
+        check_reduce("median", False, False, False)
+    assert EPS_GRAD > 0
