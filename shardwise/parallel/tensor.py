@@ -42,8 +42,8 @@ from ..tensors import is_sharded, local, storage_id
 from ..topology import Topology
 from .collectives import enter_parallel, redistribute
 from .tensor_check import checked_forward
-from .tensor_rules import (ShardedDropout, TensorParallelModule, column, feature_embedding, replace_module, row,
-                           tensor_parallel_rules)
+from .tensor_rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, TensorParallelModule, column,
+                           feature_embedding, replace_module, row, tensor_parallel_rules)
 
 
 class TensorParallel:
@@ -261,7 +261,10 @@ def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> N
                     data = distribute_tensor(param.detach(), tp.mesh, [placement], src_data_rank=0)
                 converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             setattr(mod, leaf, converted[id(param)])
-        replace_module(module, mod, TensorParallelModule(mod, rule, tp, path))
+        if rule in BUILTIN_FORWARDS:
+            replace_module(module, mod, TensorParallelModule(mod, rule, tp, path))
+        else:  # a registered rule computes in the module's place, the module (and its hooks) staying
+            mod.forward = functools.partial(rule, mod, tp=RuleContext(tp, path))
         if rule is row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
             tp.partial_grad_params.add(id(mod.bias))
     for _, mod in module.named_modules():  # tied copies held by modules without a rule

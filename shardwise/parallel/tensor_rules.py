@@ -10,9 +10,14 @@ collectives (`collectives.py`):
 - vocab-parallel embedding (rows sharded): out-of-range ids masked, output partial;
   feature-parallel embedding (columns sharded): output sharded on the last dim.
 
-A module with a rule (`nn.Linear`, `nn.Embedding`, Hugging Face's `Conv1D`) is replaced in
-the model by a `TensorParallelModule` holding the same parameters, so state-dict keys, tying
-and optimizers are unchanged. `tensor_parallel_rules` is pure: it refuses a plan before
+A rule is `rule(path, module, placements) -> forward`: it checks (and may complete) the
+placements the plan gives the module's parameters, raising `PlanError` for layouts it cannot
+compute, and returns the forward that computes on the local shards. The built-in rules
+(`nn.Linear`, `nn.Embedding`, Hugging Face's `Conv1D`) are written so; their modules are
+replaced by a `TensorParallelModule` holding the same parameters (state-dict keys, tying and
+optimizers unchanged). `register_rule(ModuleClass, rule)` adds one for any other class; its
+forward is called as `forward(module, *args, tp=RuleContext)` in place of the module's own
+(the module stays, hooks included). `tensor_parallel_rules` is pure: it refuses a plan before
 anything communicates.
 """
 
@@ -86,6 +91,53 @@ def feature_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: Te
     return tp.module_output(out, path, Shard(-1))
 
 
+class RuleContext:
+    """What a registered rule's forward computes with, for the module at `path`:
+    `rank`, `size` and `group` of tp; `local(param)`, a parameter's shard (gradients flow to
+    the sharded parameter); `replicated_input(x)`, x whole on every rank with its gradient
+    summed over tp (the input of column-parallel compute); `sharded_input(x, dim)`, this
+    rank's slice of x along dim (the input of row-parallel compute); `output(y, placement)`,
+    y as computed (`Shard(d)` or `Partial()`) moved to the plan's output placement for the
+    module (default: Partial is summed to Replicate, a shard stays a shard). The plan's input
+    conversions for the module apply first, as for the built-in rules."""
+
+    def __init__(self, tp: TensorParallel, path: str):
+        self._tp, self._path = tp, path
+        self.rank, self.size, self.group = tp.rank, tp.size, tp.group
+
+    def local(self, param: torch.Tensor | None) -> torch.Tensor | None:
+        return _shard(param)
+
+    def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tp.parallel_input(x, self._tp.input_placement(self._path, Replicate()))
+
+    def sharded_input(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return redistribute(x, self._tp.input_placement(self._path, Shard(dim)), Shard(dim), self._tp.group)
+
+    def output(self, y: torch.Tensor, placement: Placement) -> torch.Tensor:
+        return self._tp.module_output(y, self._path, placement)
+
+
+_RULE = "__shardwise_tensor_rule__"
+
+
+def register_rule(module_class: type, rule: Any = None) -> Any:
+    """Give `module_class` a tensor-parallel rule (see the module docstring); also a decorator,
+    `@register_rule(FusedQKV)`. The rule belongs to that class only: a subclass, whose forward
+    may differ, needs its own."""
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise PlanError(f"register_rule: {module_class!r} is not an nn.Module class")
+
+    def attach(fn: Any) -> Any:
+        if not callable(fn):
+            raise PlanError(f"register_rule({module_class.__name__}, {fn!r}): a rule is a function "
+                            "rule(path, module, placements) returning forward(module, *args, tp)")
+        setattr(module_class, _RULE, fn)
+        return fn
+
+    return attach(rule) if rule is not None else attach
+
+
 class TensorParallelModule(nn.Module):
     """Stands in for an `nn.Linear`, `nn.Embedding` or `Conv1D` whose parameters the plan
     shards: the same parameter objects (DTensors), computed on their local shards by `rule`."""
@@ -133,11 +185,27 @@ def replace_module(root: nn.Module, original: nn.Module, replacement: nn.Module)
             setattr(root.get_submodule(parent), leaf, replacement)
 
 
-def _has_rule(module: nn.Module) -> bool:
-    """An nn.Linear / nn.Embedding (or a subclass keeping their forward) or a Conv1D: a
-    subclass with its own forward computes something the rule would not."""
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) \
-        or (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward) or _is_conv1d(module)
+def _builtin_linear(module: nn.Module) -> bool:
+    """An nn.Linear (or a subclass keeping its forward) or a Conv1D: a subclass with its own
+    forward computes something the rule would not."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or _is_conv1d(module)
+
+
+def _builtin_embedding(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+
+
+def rule_for(module: nn.Module) -> Any:
+    """The module's tensor-parallel rule: its class's registered one, else a built-in one, else None."""
+    own = type(module).__dict__.get(_RULE)
+    if own is not None:
+        return own
+    if _builtin_linear(module):
+        return linear_rule
+    return embedding_rule if _builtin_embedding(module) else None
+
+
+BUILTIN_FORWARDS = (column, row, vocab_embedding, feature_embedding)  # computed by a TensorParallelModule
 
 
 def _carries_hooks(module: nn.Module) -> bool:
@@ -148,49 +216,62 @@ def _carries_hooks(module: nn.Module) -> bool:
 
 
 def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
-    """The rule for a module with sharded parameters, and its parameters' full placements."""
-    weight = placements.get("weight", Replicate())
-    bias = placements.get("bias")
+    """The forward for a module with sharded parameters (its placements completed)."""
     kind = type(module).__name__
-    if not _has_rule(module):
+    rule = rule_for(module)
+    if rule is None:
         raise PlanError(
             f"{path} ({kind}) has sharded parameters but shardwise has no tensor-parallel rule for {kind}; "
             "shard nn.Linear, nn.Embedding or transformers Conv1D modules (subclasses only if they keep their "
-            "forward), or leave its parameters replicated")
-    if _carries_hooks(module):
+            f"forward), register one with sw.plan.register_rule({kind}, rule), or leave its parameters replicated")
+    forward = rule(path, module, placements)
+    if forward in BUILTIN_FORWARDS and _carries_hooks(module):
         raise PlanError(
             f"{path} ({kind}) has forward or backward hooks and its parameters are sharded: it is replaced by a "
             "TensorParallelModule, where those hooks would not run; register them on its parent, or after "
             "sw.parallelize on the module at the same path")
-    if isinstance(module, nn.Linear) or _is_conv1d(module):
-        out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
-        strided = isinstance(weight, _StridedShard)
-        if shard_dim(weight) == out_dim:
-            rule, expected = column, _StridedShard(0, split_factor=weight.split_factor) if strided else Shard(0)
-        elif shard_dim(weight) == 1 - out_dim and not strided:
-            rule, expected = row, Replicate()
-        else:
+    if not callable(forward):
+        raise PlanError(f"the tensor-parallel rule for {kind} returned {forward!r}, not a forward function")
+    return forward
+
+
+def linear_rule(path: str, module: nn.Module, placements: dict[str, Placement]):
+    """nn.Linear / Conv1D: column-parallel (weight sharded on the output features, also as
+    StridedShard for fused weights) or row-parallel (on the input features)."""
+    kind = type(module).__name__
+    weight = placements.get("weight", Replicate())
+    bias = placements.get("bias")
+    out_dim = 1 if _is_conv1d(module) else 0  # nn.Linear weight (out, in); Conv1D weight (in, out)
+    strided = isinstance(weight, _StridedShard)
+    if shard_dim(weight) == out_dim:
+        rule, expected = column, _StridedShard(0, split_factor=weight.split_factor) if strided else Shard(0)
+    elif shard_dim(weight) == 1 - out_dim and not strided:
+        rule, expected = row, Replicate()
+    else:
+        raise PlanError(
+            f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
+            f"{1 - out_dim} (row), got {placement_str(weight)}"
+        )
+    if module.bias is not None:
+        if bias is not None and bias != expected:
             raise PlanError(
-                f"{path}.weight: a {kind} is tensor-parallel with its weight sharded on dim {out_dim} (column) or "
-                f"{1 - out_dim} (row), got {placement_str(weight)}"
+                f"{path}.bias must be {placement_str(expected)} to match {path}.weight "
+                f"{placement_str(weight)} ({rule.__name__}-parallel), got {placement_str(bias)}"
             )
-        if module.bias is not None:
-            if bias is not None and bias != expected:
-                raise PlanError(
-                    f"{path}.bias must be {placement_str(expected)} to match {path}.weight "
-                    f"{placement_str(weight)} ({rule.__name__}-parallel), got {placement_str(bias)}"
-                )
-            placements["bias"] = expected
-        return rule
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None:
-            raise PlanError(f"{path}: tensor-parallel nn.Embedding does not support max_norm")
-        if weight == Shard(0):
-            return vocab_embedding
-        if weight == Shard(1):
-            return feature_embedding
-        raise PlanError(f"{path}.weight: an Embedding shards rows (Shard(0)) or columns (Shard(1)), got {placement_str(weight)}")
-    raise AssertionError(f"{kind} has a rule but no branch here")  # _has_rule and the branches above agree
+        placements["bias"] = expected
+    return rule
+
+
+def embedding_rule(path: str, module: nn.Module, placements: dict[str, Placement]):
+    """nn.Embedding: vocab-parallel (rows sharded) or feature-parallel (columns)."""
+    weight = placements.get("weight", Replicate())
+    if module.max_norm is not None:
+        raise PlanError(f"{path}: tensor-parallel nn.Embedding does not support max_norm")
+    if weight == Shard(0):
+        return vocab_embedding
+    if weight == Shard(1):
+        return feature_embedding
+    raise PlanError(f"{path}.weight: an Embedding shards rows (Shard(0)) or columns (Shard(1)), got {placement_str(weight)}")
 
 
 def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str, tuple[Any, dict[str, Placement]]]:
@@ -202,7 +283,7 @@ def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str
         path, _, leaf = name.rpartition(".")
         owned.setdefault(path, {})[leaf] = placement
     ruled = {path for path, placements in owned.items()
-             if any(not isinstance(p, Replicate) for p in placements.values()) and _has_rule(modules[path])}
+             if any(not isinstance(p, Replicate) for p in placements.values()) and rule_for(modules[path])}
     computed_by_rule = {id(p) for path in ruled for p in modules[path].parameters(recurse=False)}
     rules = {}
     for path, placements in owned.items():

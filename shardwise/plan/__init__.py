@@ -11,9 +11,10 @@ from ..planner.search import search
 from .named import zoo
 from .plan import Conversion, Plan, parse_placement, placement_str, shard_dim
 from .resolve import ResolvedPlan, resolve_plan
+from ..parallel.tensor_rules import RuleContext, register_rule
 
-__all__ = ["Conversion", "Plan", "ResolvedPlan", "as_plan", "parse_placement", "placement_str", "resolve_plan", "search",
-           "shard_dim", "zoo"]
+__all__ = ["Conversion", "Plan", "ResolvedPlan", "RuleContext", "as_plan", "parse_placement", "placement_str",
+           "register_rule", "resolve_plan", "search", "shard_dim", "zoo"]
 
 
 def as_plan(plan: "Plan | dict | str | Path | None", config: ParallelConfig) -> Plan:
