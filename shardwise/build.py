@@ -50,6 +50,7 @@ def parallelize(
     config: ParallelConfig | str | None = None,
     plan: Plan | dict | str | Path | None = None,
     sample: Any = None,
+    parts: list[str] | str | None = None,
 ) -> ParallelModule:
     """Turn `module` into a `ParallelModule` laid out as `config` and `plan` say.
 
@@ -59,6 +60,8 @@ def parallelize(
     None (replicate everything). `sample` (an example batch) is used by layouts that need
     shapes ahead of time. config="auto" lets the planner choose the layout for this world
     (`sample` is then one replica's batch); plan="auto" with a config takes the model's zoo plan.
+    `parts` (submodule paths, e.g. ["llm"]) limits the plan to those submodules: the rest of
+    the model stays replicated and data-parallel, in the same gradient buckets and optimizer.
 
     Everything that can be wrong is checked on each rank first; then the ranks agree, so a
     problem found on any rank (a plan file missing on one machine, a different model on
@@ -69,7 +72,7 @@ def parallelize(
     init_distributed(timeout=timedelta(seconds=timeout_s))
     problem, checked = None, None
     try:
-        checked = _check_locally(module, config, plan, sample)
+        checked = _check_locally(module, config, plan, sample, parts)
     except ShardwiseError as exc:
         problem = exc
     except Exception as exc:  # noqa: BLE001 - agreed like any problem, so no rank is left waiting
@@ -89,7 +92,7 @@ def parallelize(
         return _build(module, topology, chosen, resolved, pipelined)
 
 
-def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any):
+def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any, parts: Any = None):
     """Every check `parallelize` can make without communicating: (config with the plan's ZeRO
     stage, plan, resolved plan, stage layout)."""
     if isinstance(module, ParallelModule):
@@ -110,7 +113,7 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
     check_materializable(module)
     if config.cp > 1:
         check_attention(module)
-    chosen = as_plan(plan, config)
+    chosen = _with_parts(as_plan(plan, config), parts, config)
     config = _with_plan_zero(config, chosen)
     resolved = resolve_plan(chosen, module, config.tp)
     if config.tp > 1:
@@ -121,6 +124,23 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     recompute_targets(module, config, resolved)
     return config, chosen, resolved, layout
+
+
+def _with_parts(plan: Plan, parts: Any, config: ParallelConfig) -> Plan:
+    """The plan limited to `parts` (parallelize's argument), which the plan may also name."""
+    if parts is None:
+        chosen = plan
+    else:
+        parts = [parts] if isinstance(parts, str) else parts
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise ConfigError(f"parts={parts!r} must be a submodule path or a non-empty list of them, e.g. ['llm']")
+        if plan.parts and list(plan.parts) != list(parts):
+            raise ConfigError(f"parts={list(parts)} but the plan names parts {plan.parts}; give them once")
+        chosen = plan.replace(parts=list(parts))
+    if chosen.parts and config.cp > 1:
+        raise ConfigError("parts with cp > 1: context parallelism splits the sequence for the whole model, parts "
+                          "outside the plan included; use cp=1 with parts")
+    return chosen
 
 
 def _with_plan_zero(config: ParallelConfig, plan: Plan) -> ParallelConfig:
@@ -171,7 +191,7 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     if config.sync_batchnorm and topology.sizes["dp"] > 1:
         sync_batchnorm(module, topology.group("dp"))
     fp32_values = apply_mixed_precision(module, config)
-    units = zero3_units(module) if config.zero == 3 else None
+    units = zero3_units(module, plan.parts) if config.zero == 3 else None
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
     gradients = apply_data_parallel(module, topology, config, partial_over_tp, index.tied, units,
                                     _stages_of_rank(layout, topology.pp_rank))
@@ -202,9 +222,9 @@ def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int
     return fp32_values
 
 
-def zero3_units(module: nn.Module) -> list[str]:
+def zero3_units(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The modules ZeRO-3 gathers one at a time: the pipeline's candidate units that hold parameters."""
-    return [u for u in candidate_units(module) if any(True for _ in module.get_submodule(u).parameters())]
+    return [u for u in candidate_units(module, parts) if any(True for _ in module.get_submodule(u).parameters())]
 
 
 def _stages_of_rank(layout: StageLayout | None, pp_rank: int) -> dict[str, int] | None:
@@ -256,7 +276,7 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         )
     microbatch = split_batch(sample, config.microbatches)[0]
     try:
-        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module))
+        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts)
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample

@@ -74,11 +74,12 @@ def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: Resol
         return paths
     if config.recompute is None:
         return []
-    blocks = layer_list(module)
+    parts = resolved.plan.parts
+    blocks = layer_list(module, parts)
     if blocks is None:
         raise PlanError(f"recompute={config.recompute!r} recomputes the blocks of the model's layer list, and "
-                        f"{type(module).__name__} has no ModuleList or Sequential; name the modules with "
-                        "Plan(recompute=[...])")
+                        f"{type(module).__name__}{f' (in parts {parts})' if parts else ''} has no ModuleList or "
+                        "Sequential; name the modules with Plan(recompute=[...])")
     return [f"{blocks}.{name}" for name, _ in module.get_submodule(blocks).named_children()]
 
 

@@ -222,13 +222,13 @@ class _Builder:
         self.record(func, None, args, kwargs, out)
 
 
-def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode | None = None
-                   ) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
+def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode | None = None,
+                   parts: list[str] | tuple[str, ...] = ()) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
     """Capture `module`'s forward on `microbatch` at the units of plan/stages.py: the program,
     the fake shadow it ran on (kept to capture other shapes later), its fake mode and the units."""
     from ..plan.stages import candidate_units
 
-    units = candidate_units(module)
+    units = candidate_units(module, parts)
     shadow, fake_mode = fake_shadow(module, fake_mode)
     return capture(shadow, fake_mode, microbatch, units), shadow, fake_mode, units
 

@@ -168,6 +168,9 @@ class Plan:
         "h.*.attn.split_size"), divided by tp on each rank.
     applies_to: class name the patterns are relative to; the plan then applies to every
         instance of that class wherever it sits in the module tree (zoo plans use this).
+    parts: submodule paths the plan parallelizes (an LLM inside a larger model); everything
+        else stays replicated and data-parallel. Sharding, recompute and the pipeline's layer
+        list are looked for inside them only. Empty: the whole model.
     """
 
     params: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
@@ -180,6 +183,7 @@ class Plan:
     divide_by_tp: list[str] = field(default_factory=list)
     applies_to: str | None = None
     name: str | None = None
+    parts: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.params = {k: _placements(v, f"plan param {k!r}") for k, v in _mapping(self.params, "params").items()}
@@ -204,6 +208,10 @@ class Plan:
             raise PlanError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3)):
             raise PlanError(f"plan zero={self.zero!r} must be a ZeRO stage 0-3, or None to take the config's")
+        if isinstance(self.parts, str) or not isinstance(self.parts, (list, tuple)) or \
+                not all(isinstance(p, str) and p and not p.startswith(".") for p in self.parts):
+            raise PlanError(f"plan parts={self.parts!r} must be a list of submodule paths, e.g. ['llm']")
+        self.parts = list(self.parts)
         for name in ("recompute", "loss_parallel", "divide_by_tp"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -247,6 +255,7 @@ class Plan:
             "loss_parallel": list(self.loss_parallel),
             "divide_by_tp": list(self.divide_by_tp),
             "applies_to": self.applies_to,
+            **({"parts": list(self.parts)} if self.parts else {}),
         }
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -298,6 +307,8 @@ class Plan:
             lines.append(f"  virtual stages per rank: {self.virtual_stages}")
         if self.zero is not None:
             lines.append(f"  zero: {self.zero}")
+        if self.parts:
+            lines.append(f"  parts: {', '.join(self.parts)} (the rest replicated)")
         if self.recompute:
             lines.append(f"  recompute: {', '.join(self.recompute)}")
         if self.loss_parallel:

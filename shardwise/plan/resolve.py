@@ -14,11 +14,12 @@ import re
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import PlanError
 from .plan import Plan, check_pattern, placement_str, shard_dim
+from .stages import inside
 
 
 @dataclass
@@ -105,10 +106,16 @@ def _input_count(module: nn.Module) -> int | None:
 def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
     """Expand `plan` against `module` for `tp` ranks; `PlanError` on anything that does not fit."""
     owner = type(module).__name__
+    modules = dict(module.named_modules())
+    _check_parts(plan.parts, modules)
     roots = _roots(module, plan)
+    if plan.applies_to is not None and plan.parts:
+        roots = [r for r in roots if inside(r, plan.parts)]
+        if not roots:
+            raise PlanError(f"plan {plan.name or ''} applies to every {plan.applies_to}, and parts {plan.parts} hold "
+                            "none; name the parts that contain it")
     resolved = ResolvedPlan(plan)
     params = dict(module.named_parameters(remove_duplicate=False))
-    modules = dict(module.named_modules())
     names = list(params)
     for pattern, placements in plan.params.items():
         for name in _expand(pattern, names, roots, "parameter", owner):
@@ -156,4 +163,24 @@ def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
             resolved.divide_by_tp.append((path, attr))
     for pattern in plan.recompute:
         resolved.recompute.extend(_expand(pattern, module_paths, roots, "module", owner))
+    if plan.parts:
+        outside = [n for n, p in resolved.params.items() if not isinstance(p, Replicate) and not inside(n, plan.parts)]
+        outside += [p for p in [*resolved.inputs, *resolved.outputs, *resolved.loss_parallel, *resolved.recompute,
+                                *(path for path, _ in resolved.divide_by_tp)] if not inside(p, plan.parts)]
+        if outside:
+            raise PlanError(f"the plan parallelizes {sorted(set(outside))[:4]} outside parts {plan.parts}, which stay "
+                            "replicated; add their module to parts or drop those entries")
     return resolved
+
+
+def _check_parts(parts: list[str], modules: dict[str, nn.Module]) -> None:
+    """Each part a submodule (not the root), none inside another."""
+    for part in parts:
+        if part not in modules or not part:
+            close = difflib.get_close_matches(part, [m for m in modules if m], n=3)
+            raise PlanError(f"parts: {part!r} is not a submodule of {type(modules['']).__name__}; "
+                            f"closest: {', '.join(close) or '(none)'}")
+    nested = [(a, b) for a in parts for b in parts if a != b and b.startswith(a + ".")]
+    if nested or len(set(parts)) != len(parts):
+        raise PlanError(f"parts {parts} repeat a module or name one inside another "
+                        f"({nested[0][1]!r} in {nested[0][0]!r})" if nested else f"parts {parts} repeat a module")

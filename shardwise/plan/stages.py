@@ -64,17 +64,22 @@ def _span(paths: list[str]) -> str:
     return paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]} ({len(paths)} modules)"
 
 
-def layer_list(module: nn.Module) -> str | None:
+def inside(path: str, parts: list[str] | tuple[str, ...]) -> bool:
+    """Whether module `path` is one of `parts` or inside one (always, without parts)."""
+    return not parts or any(path == p or path.startswith(p + ".") for p in parts)
+
+
+def layer_list(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) -> str | None:
     """Path of the model's main layer list: its ModuleList or Sequential holding the most
-    parameters (a transformer's blocks), or None when it has none."""
+    parameters (a transformer's blocks), inside `parts` if given, or None when it has none."""
     lists = [(sum(p.numel() for p in m.parameters()), path) for path, m in module.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path]
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and inside(path, parts)]
     return max(lists)[1] if lists else None
 
 
-def candidate_units(module: nn.Module) -> list[str]:
+def candidate_units(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Unit paths (not yet ordered): siblings along the path to the main layer list, and its entries."""
-    target = layer_list(module) or ""
+    target = layer_list(module, parts) or ""
     units, prefix = [], ""
     parts = target.split(".") if target else []
     for depth in range(len(parts) + 1):
