@@ -92,7 +92,7 @@ def load_full_state_dict(pmodel: "ParallelModule", state_dict: dict[str, torch.T
     own = pmodel.module.state_dict()
     problem = None
     try:
-        _check_state_dict(pmodel, state_dict, strict)
+        check_state_dict(pmodel, state_dict, strict)
     except CheckpointError as exc:
         problem = exc
     with pmodel.coordinator.operation("load_full_state_dict", problem):
@@ -106,7 +106,7 @@ def load_full_state_dict(pmodel: "ParallelModule", state_dict: dict[str, torch.T
         pmodel.optimizer_params.reload()
 
 
-def _check_state_dict(pmodel: "ParallelModule", state_dict: Any, strict: bool) -> None:
+def check_state_dict(pmodel: "ParallelModule", state_dict: Any, strict: bool) -> None:
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise CheckpointError(f"a state dict maps names to tensors; got {type(state_dict).__name__}")
     expected = pmodel.index.state_shapes

@@ -168,10 +168,11 @@ def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan
 
 
 def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None = None, optimizer: str = "sgd",
-                  microbatches: int = 1) -> Run:
+                  microbatches: int = 1, loss: Callable[[nn.Module, Any], torch.Tensor] | None = None) -> Run:
     """Plain torch on one process: every step's gradients (as the optimizer saw them, after clipping).
     With `microbatches`, each batch runs as that many slices in order, losses averaged (the
-    random numbers one process draws for them: the reference for dropout under pp)."""
+    random numbers one process draws for them: the reference for dropout under pp). `loss`:
+    the step's loss from (model, batch), when it is not the forward's first output."""
     model = factory()
     cls, kwargs = optimizer_for(optimizer)
     opt = cls(model.parameters(), **kwargs)
@@ -182,20 +183,20 @@ def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None 
     run.parameter_of = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     for batch in batches:
         if microbatches == 1:
-            loss = _loss_value(model(batch))
-            loss.backward()
+            value = loss(model, batch) if loss is not None else _loss_value(model(batch))
+            value.backward()
         else:
             losses = []
             for part in split_batch(batch, microbatches):
                 losses.append(_loss_value(model(part)))
                 (losses[-1] / microbatches).backward()
-            loss = torch.stack([l.detach() for l in losses]).mean()
+            value = torch.stack([l.detach() for l in losses]).mean()
         run.grads.append(full_grads(model))  # as full_grad_dict shows them: before clipping (which only shrinks)
         if clip is not None:
             run.norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-        run.losses.append(float(loss.detach()))
+        run.losses.append(float(value.detach()))
     run.final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return run
 

@@ -13,12 +13,13 @@ one process, judged by tests/parity.py's bounds:
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from parity import EPS_GRAD, EPS_LOSS, SGD, Run, assert_parity, full_grads, replica_slice
+from parity import EPS_LOSS, SGD, Run, assert_parity, reference_run, replica_slice
 
 STEPS = 3
 VOCAB, WIDTH, BATCH, SEQ = 16, 8, 8, 6
@@ -59,22 +60,6 @@ def token_batches(masked: bool) -> list[dict]:
     return out
 
 
-def reference(factory, batches, loss_of_batch) -> Run:
-    model = factory()
-    opt = torch.optim.SGD(model.parameters(), **SGD)
-    run = Run([], [], initial={k: v.detach().clone() for k, v in model.state_dict().items()})
-    run.parameter_of = {n: n for n, _ in model.named_parameters()}
-    for batch in batches:
-        loss = loss_of_batch(model, batch)
-        loss.backward()
-        run.grads.append(full_grads(model))
-        opt.step()
-        opt.zero_grad()
-        run.losses.append(float(loss.detach()))
-    run.final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return run
-
-
 def whole_batch_loss(model, batch):
     return model(batch)[0]
 
@@ -109,8 +94,8 @@ def _layouts(masked, plain):
 
 def test_token_weighted_summed_and_concatenated_outputs():
     masked, plain = token_batches(True), token_batches(False)
-    want_tokens = reference(counting, masked, whole_batch_loss)
-    want_sum = reference(logits_model, plain, summed_slices)
+    want_tokens = reference_run(counting, masked, loss=whole_batch_loss)
+    want_sum = reference_run(logits_model, plain, loss=summed_slices)
     first = logits_model()
     for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain)):
         for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("sum", want_sum)):
@@ -126,9 +111,12 @@ def test_token_weighted_summed_and_concatenated_outputs():
 
 
 def test_reduce_is_checked():
-    import pytest
+    from shardwise.step_output import check_reduce
 
-    with pytest.raises(sw.ConfigError):
-        from shardwise.step_output import check_reduce
+    with pytest.raises(sw.ConfigError, match="use one of"):
         check_reduce("median", False, False, False)
-    assert EPS_GRAD > 0
+    with pytest.raises(sw.ConfigError, match="not available with pp > 1 or cp > 1"):
+        check_reduce("tokens", False, True, False)
+    with pytest.raises(sw.ConfigError, match="not available with pp > 1 or cp > 1"):
+        check_reduce("mean", True, False, True)
+    check_reduce("sum", False, True, True)  # summing works everywhere

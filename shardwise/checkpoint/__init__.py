@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import CheckpointError
+from ..state import check_state_dict
 from ..tensors import local
 from .geometry import flat_rects, local_to_global, rect_shape, shift
 from .store import FORMAT, RankWriter, Reader, latest, publish
@@ -197,6 +198,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         beside = path.with_name(path.name + ".optimizer.pt")
         try:
             state = _read_state_dict(path)
+            check_state_dict(pmodel, state, strict=True)  # another model's file: that, before its optimizer
             if optimizer is not None:
                 if not beside.is_file():
                     raise CheckpointError(f"{str(path)!r} is a merged state dict with no optimizer state beside it "
