@@ -101,6 +101,63 @@ def test_loss_scaler_matches_torch_grad_scaler_at_every_zero_stage():
             assert_parity(want, got)
 
 
+FP16_TOLERANCE = 0.05  # float16 unit roundoff 2^-11; λ·sqrt(D·n)·u with λ=10, D=4 reductions of n≤16: 0.04
+
+
+def _autocast_reference() -> tuple[list[float], list[float], list[bool]]:
+    """One process under float16 autocast with torch's GradScaler: losses, scales, skips."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15, growth_interval=2)
+    losses, scales, skipped = [], [], []
+    for batch in batches():
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        scales.append(scaler.get_scale())
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    return losses, scales, skipped
+
+
+def _fp16_run(zero: int) -> tuple[list[float], list[float], list[bool]]:
+    pm = sw.parallelize(MLP(), sw.ParallelConfig(param_dtype=torch.float16, zero=zero))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, loss_scaler=sw.LossScaler(2.0 ** 15, growth_interval=2), **SGD)
+    index, count = sw.data_parallel_info(pm)
+    losses, scales, skipped = [], [], []
+    for batch in batches():
+        before = pm.full_state_dict()
+        losses.append(float(pm.train_step(replica_slice(batch, index, count))))
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scaler.scale)
+        skipped.append(all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items()))
+    return losses, scales, skipped
+
+
+def _fp16_zero_stages():
+    return [_fp16_run(zero) for zero in (0, 1, 2)]  # ZeRO-1/2: float32 masters fed float16 shards
+
+
+def test_float16_training_skips_and_scales_as_autocast_with_grad_scaler():
+    """float16 compute (float32 masters) against one process under float16 autocast with
+    torch's GradScaler from 2^15: the same scale after every step and the same skipped step
+    (step 2, whose gradient overflows; its float16 loss is not finite here, so it is not
+    compared), the other losses within float16 rounding (FP16_TOLERANCE, derived above)."""
+    want_losses, want_scales, want_skipped = _autocast_reference()
+    assert want_skipped == [i == OVERFLOW_STEP for i in range(STEPS)], want_skipped
+    for runs in sw.testing.run_on_ranks(_fp16_zero_stages, 2):
+        for losses, scales, skipped in runs:
+            assert scales == want_scales and skipped == want_skipped, (scales, skipped)
+            for step, (got, want) in enumerate(zip(losses, want_losses)):
+                if step != OVERFLOW_STEP:
+                    assert abs(got - want) <= FP16_TOLERANCE * abs(want), (step, got, want)
+
+
 def _fp16_first_layer(scaled: bool) -> bool:
     pm = sw.parallelize(MLP(loss_factor=1e-8), sw.ParallelConfig(param_dtype=torch.float16))
     kwargs = {} if scaled else {"loss_scaler": None}

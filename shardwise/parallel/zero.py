@@ -102,7 +102,12 @@ class OptimizerParams:
             yield ParamPiece(param, bucket.param_range(lo, hi), grad, None, counted, **part)
         else:
             master = fp32.detach().reshape(-1)[lo - first: hi - first].clone()
-            yield ParamPiece(param, master, grad, lambda: part["model_values"]().copy_(master), counted, **part)
+
+            def master_grad(grad=grad, dtype=master.dtype):  # a float32 master takes its gradient in float32
+                shard = grad()
+                return shard if shard is None or shard.dtype == dtype else shard.to(dtype)
+
+            yield ParamPiece(param, master, master_grad, lambda: part["model_values"]().copy_(master), counted, **part)
 
     def _has_grad(self, param: nn.Parameter) -> bool:
         """Whether one process would hold a gradient for `param` now: a synchronization ran
