@@ -124,7 +124,7 @@ def _autocast_reference() -> tuple[list[float], list[float], list[bool]]:
     return losses, scales, skipped
 
 
-def _fp16_run(zero: int) -> tuple[list[float], list[float], list[bool]]:
+def _fp16_run(zero: int, root: str | None = None) -> tuple[list[float], list[float], list[bool]]:
     pm = sw.parallelize(MLP(), sw.ParallelConfig(param_dtype=torch.float16, zero=zero))
     opt = sw.build_optimizer(pm, torch.optim.SGD, loss_scaler=sw.LossScaler(2.0 ** 15, growth_interval=2), **SGD)
     index, count = sw.data_parallel_info(pm)
@@ -136,21 +136,27 @@ def _fp16_run(zero: int) -> tuple[list[float], list[float], list[bool]]:
         opt.zero_grad()
         scales.append(opt.loss_scaler.scale)
         skipped.append(all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items()))
+    if root is not None:  # the scale and its growth count travel with checkpoints
+        sw.save_checkpoint(root, pm, opt)
+        fresh = sw.build_optimizer(sw.parallelize(MLP(), sw.ParallelConfig(param_dtype=torch.float16, zero=zero)),
+                                   torch.optim.SGD, loss_scaler=sw.LossScaler(init_scale=4.0), **SGD)
+        sw.load_checkpoint(root, fresh._pmodel, fresh)
+        assert fresh.loss_scaler.state_dict() == opt.loss_scaler.state_dict(), fresh.loss_scaler
     return losses, scales, skipped
 
 
-def _fp16_zero_stages():
-    return [_fp16_run(zero) for zero in (0, 1, 2)]  # ZeRO-1/2: float32 masters fed float16 shards
+def _fp16_zero_stages(root: str):
+    return [_fp16_run(zero, root if zero == 2 else None) for zero in (0, 1, 2)]  # ZeRO-1/2: float32 masters
 
 
-def test_float16_training_skips_and_scales_as_autocast_with_grad_scaler():
+def test_float16_training_skips_and_scales_as_autocast_with_grad_scaler(tmp_path):
     """float16 compute (float32 masters) against one process under float16 autocast with
     torch's GradScaler from 2^15: the same scale after every step and the same skipped step
     (step 2, whose gradient overflows; its float16 loss is not finite here, so it is not
     compared), the other losses within float16 rounding (FP16_TOLERANCE, derived above)."""
     want_losses, want_scales, want_skipped = _autocast_reference()
     assert want_skipped == [i == OVERFLOW_STEP for i in range(STEPS)], want_skipped
-    for runs in sw.testing.run_on_ranks(_fp16_zero_stages, 2):
+    for runs in sw.testing.run_on_ranks(_fp16_zero_stages, 2, str(tmp_path / "ckpt")):
         for losses, scales, skipped in runs:
             assert scales == want_scales and skipped == want_skipped, (scales, skipped)
             for step, (got, want) in enumerate(zip(losses, want_losses)):
