@@ -14,13 +14,16 @@ with the default one (its first step skipped: 2^16 does not fit float16).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from parity import SGD, Run, assert_parity, full_grads, replica_slice
+from parity import SGD, Run, assert_parity, full_grads, gpt_batches, make_gpt, reference_run, replica_slice
+from shardwise.batch import split_batch
 
 STEPS = 5
 OVERFLOW_STEP = 2
@@ -146,7 +149,7 @@ def _fp16_run(zero: int, root: str | None = None) -> tuple[list[float], list[flo
 
 
 def _fp16_zero_stages(root: str):
-    return [_fp16_run(zero, root if zero == 2 else None) for zero in (0, 1, 2)]  # ZeRO-1/2: float32 masters
+    return [_fp16_run(zero, root if zero == 2 else None) for zero in (0, 1, 2, 3)]  # ZeRO-1-3: float32 masters
 
 
 def test_float16_training_skips_and_scales_as_autocast_with_grad_scaler(tmp_path):
@@ -194,3 +197,38 @@ def test_loss_scaler_rejects_bad_settings():
         sw.LossScaler(growth_interval=0)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _pipelined(reduce: str) -> tuple[Run, list[float]]:
+    batches = gpt_batches(4, 8)
+    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=2), sample=batches[0])
+    opt = sw.build_optimizer(pm, torch.optim.SGD, loss_scaler=sw.LossScaler(growth_interval=2), **SGD)
+    run, scales = Run([], []), []
+    for batch in batches:
+        scale = opt.loss_scaler.scale
+        run.losses.append(float(pm.train_step(batch, reduce=reduce)))
+        if not run.grads:
+            run.grads.append({k: v / scale for k, v in pm.full_grad_dict().items()})
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scaler.scale)
+    run.final = {k: v.detach().clone() for k, v in pm.full_state_dict().items()}
+    return run, scales
+
+
+def _both_reductions():
+    return {reduce: _pipelined(reduce) for reduce in ("mean", "sum")}
+
+
+def test_loss_scaler_and_summed_microbatches_under_a_pipeline():
+    """pp=2, 2 microbatches: the scaled loss enters the schedule's backward and is unscaled
+    before the step (nothing overflows here: the scale grows every 2 steps); reduce="sum"
+    sums the two microbatches' losses and gradients. Against one process (parity bounds)."""
+    batches = gpt_batches(4, 8)
+    want = {"mean": reference_run(functools.partial(make_gpt, 0, n_layer=4), batches, microbatches=2),
+            "sum": reference_run(functools.partial(make_gpt, 0, n_layer=4), batches,
+                                 loss=lambda model, batch: sum(model(part) for part in split_batch(batch, 2)))}
+    for result in sw.testing.run_on_ranks(_both_reductions, 2):
+        for reduce, (got, scales) in result.items():
+            assert scales == [2.0 ** 16, 2.0 ** 17, 2.0 ** 17, 2.0 ** 18], scales
+            assert_parity(want[reduce], got)
