@@ -74,3 +74,26 @@ def test_optimizer_state_round_trips_through_layouts_and_merged_files(tmp_path):
         assert all(float(e["step"]) == 3 for e in stepped["state"].values())
         assert not all(torch.equal(stepped["state"][n]["exp_avg"], expected[n]["exp_avg"]) for n in expected)
         assert refused is not None and "no optimizer state beside it" in refused, refused
+
+
+def _mismatched(root: str):
+    """An optimizer with other parameter groups than the merged state's: refused, model untouched."""
+    pm = sw.parallelize(gpt(), sw.ParallelConfig())
+    named = list(pm.named_parameters())
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, params=[{"params": [p for _, p in named[:2]]},
+                                                            {"params": [p for _, p in named[2:]]}], **ADAMW)
+    before = pm.full_state_dict()
+    try:
+        sw.load_checkpoint(f"{root}/merged.safetensors", pm, opt)
+        refused = None
+    except sw.CheckpointError as exc:
+        refused = str(exc)
+    return refused, all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items())
+
+
+def test_a_mismatched_optimizer_changes_nothing(tmp_path):
+    model_state, torch_state, _ = one_process_state()
+    sw.testing.run_on_ranks(_layouts, 4, model_state, torch_state, str(tmp_path))  # writes merged.safetensors
+    for refused, untouched in sw.testing.run_on_ranks(_mismatched, 2, str(tmp_path)):
+        assert refused is not None and "parameter groups" in refused, refused
+        assert untouched

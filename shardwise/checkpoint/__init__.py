@@ -207,9 +207,9 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         except CheckpointError as exc:
             problem = exc
         topology.coordinator.agree("load_checkpoint", problem)
-        pmodel.load_full_state_dict(state)
-        if optimizer is not None:
+        if optimizer is not None:  # checked on every rank before it changes; the model's file is checked already
             optimizer.load_full_state_dict(optimizer_state)
+        pmodel.load_full_state_dict(state)
         return None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
