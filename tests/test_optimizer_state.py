@@ -50,12 +50,16 @@ def _layouts(model_state, torch_state, root: str):
     pm2.train_step(replica_slice(gpt_batches(3, 8)[2], index, count))
     opt2.step()  # the loaded state is usable: steps count on
     stepped = opt2.full_state_dict()
+    return first, second, stepped, _refusal(f"{root}/bare.safetensors", pm2, opt2)
+
+
+def _refusal(path: str, pm, opt) -> str | None:
+    """The CheckpointError loading `path` into `pm` and `opt` raises, if any."""
     try:
-        sw.load_checkpoint(f"{root}/bare.safetensors", pm2, opt2)
-        refused = None
+        sw.load_checkpoint(path, pm, opt)
     except sw.CheckpointError as exc:
-        refused = str(exc)
-    return first, second, stepped, refused
+        return str(exc)
+    return None
 
 
 def test_optimizer_state_round_trips_through_layouts_and_merged_files(tmp_path):
@@ -83,11 +87,7 @@ def _mismatched(root: str):
     opt = sw.build_optimizer(pm, torch.optim.AdamW, params=[{"params": [p for _, p in named[:2]]},
                                                             {"params": [p for _, p in named[2:]]}], **ADAMW)
     before = pm.full_state_dict()
-    try:
-        sw.load_checkpoint(f"{root}/merged.safetensors", pm, opt)
-        refused = None
-    except sw.CheckpointError as exc:
-        refused = str(exc)
+    refused = _refusal(f"{root}/merged.safetensors", pm, opt)
     return refused, all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items())
 
 
