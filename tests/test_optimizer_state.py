@@ -88,12 +88,21 @@ def _mismatched(root: str):
                                                             {"params": [p for _, p in named[2:]]}], **ADAMW)
     before = pm.full_state_dict()
     refused = _refusal(f"{root}/merged.safetensors", pm, opt)
-    return refused, all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items())
+    good = opt.full_state_dict()
+    try:  # malformed on one rank only: the same error on every rank, not a rank waiting alone
+        sizes = [len(g["params"]) for g in good["param_groups"]]
+        groups = [{"params": list(range(sum(sizes[:i]), sum(sizes[:i + 1])))} for i in range(len(sizes))]
+        opt.load_full_state_dict({"state": {999: {}}, "param_groups": groups} if dist.get_rank() else good)
+        malformed = None
+    except sw.CheckpointError as exc:
+        malformed = str(exc)
+    return refused, all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items()), malformed
 
 
 def test_a_mismatched_optimizer_changes_nothing(tmp_path):
     model_state, torch_state, _ = one_process_state()
     sw.testing.run_on_ranks(_layouts, 4, model_state, torch_state, str(tmp_path))  # writes merged.safetensors
-    for refused, untouched in sw.testing.run_on_ranks(_mismatched, 2, str(tmp_path)):
+    for refused, untouched, malformed in sw.testing.run_on_ranks(_mismatched, 2, str(tmp_path)):
         assert refused is not None and "parameter groups" in refused, refused
         assert untouched
+        assert malformed is not None and "ids [999]" in malformed and "raised on every rank" in malformed, malformed

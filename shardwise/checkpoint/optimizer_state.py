@@ -96,6 +96,9 @@ def _by_name(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, An
         raise CheckpointError(f"optimizer state has groups of {[len(g['params']) for g in groups]} parameters, this "
                               f"optimizer {[len(n) for n in names]}: build it with the same parameter groups")
     name_of = {i: n for g, group_names in zip(groups, names) for i, n in zip(g["params"], group_names)}
+    unknown = [i for i in state_dict["state"] if i not in name_of]
+    if unknown:
+        raise CheckpointError(f"optimizer state for parameter ids {unknown[:4]} that no parameter group lists")
     return {"state": {name_of[i]: s for i, s in state_dict["state"].items()},
             "param_groups": [{**g, "params": n} for g, n in zip(groups, names)]}
 
@@ -103,7 +106,7 @@ def _by_name(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, An
 def _checked(pmodel, state_dict: Any, names: list[list[str]]) -> dict[str, Any]:
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointError("an optimizer state dict has 'state' and 'param_groups'; got "
-                              f"{type(state_dict).__name__} {sorted(state_dict)[:4] if isinstance(state_dict, dict) else ''}")
+                              f"{type(state_dict).__name__} {list(state_dict)[:4] if isinstance(state_dict, dict) else ''}")
     state_dict = _by_name(state_dict, names)
     given = [list(g["params"]) for g in state_dict["param_groups"]]
     if given != names:
@@ -111,6 +114,9 @@ def _checked(pmodel, state_dict: Any, names: list[list[str]]) -> dict[str, Any]:
                               f"optimizer's {[n[:3] for n in names]}: build it with the same groups, in module order")
     shapes = pmodel.index.state_shapes
     for name, entry in state_dict["state"].items():
+        if name not in shapes or not isinstance(entry, dict):
+            raise CheckpointError(f"optimizer state for {name!r}, which is not a parameter of this model "
+                                  "(or whose state is not a dict of tensors)")
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(shapes[name]):
                 raise CheckpointError(f"optimizer state {name}/{key} has shape {tuple(value.shape)}, the parameter "
@@ -128,6 +134,9 @@ def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
         checked = _checked(pmodel, state_dict, names)
     except CheckpointError as exc:
         problem = exc
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # malformed: refused on every rank alike
+        problem = CheckpointError(f"the optimizer state dict is malformed ({type(exc).__name__}: {exc}); give "
+                                  "optimizer.full_state_dict()'s form or torch's optimizer.state_dict()")
     pmodel.coordinator.agree("optimizer.load_full_state_dict", problem)
     with pmodel.coordinator.body("optimizer.load_full_state_dict"), torch.no_grad():
         for name, piece in _pieces(pmodel):

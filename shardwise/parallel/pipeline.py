@@ -299,15 +299,17 @@ class Pipeline:
                 module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training)
                 stages.append(ReducingStage(module, stage, self.layout.num_stages, self.device, input_args=inputs,
                                             output_args=outputs, group=self.group, pipeline=self))
-            cls = SCHEDULES[self.schedule_name].torch_class
-            target = stages if self.layout.virtual > 1 else stages[0]
             compiled.stages[training] = stages
-            schedule = cls(target, self.microbatches, loss_fn=lambda loss, target: self._microbatch_loss(loss, target[0]),
-                           scale_grads=False) if training else cls(target, self.microbatches)
+            single = self.schedule_name in ("gpipe", "1f1b")  # orders we write ourselves
+            schedule = None
+            if not single:  # torch's class: the interleaved order, or zero-bubble's executor
+                cls = SCHEDULES[self.schedule_name].torch_class
+                schedule = cls(stages, self.microbatches, loss_fn=lambda loss, target: self._microbatch_loss(
+                    loss, target[0]), scale_grads=False) if training else cls(stages, self.microbatches)
             if self.schedule_name != "zero-bubble":  # a whole backward: our runner (pipeline_runner.py)
                 rank = self.topology.pp_rank
-                steps = single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) \
-                    if self.schedule_name in ("gpipe", "1f1b") else steps_of(schedule.pipeline_order[rank])
+                steps = single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) if single \
+                    else steps_of(schedule.pipeline_order[rank])
                 steps = [step for step in steps if training or step.forward]
                 schedule = OrderRunner(steps, [RunnerStage(st.stage_index, st.submod, *stage_metas(*compiled.examples[
                     st.stage_index])) for st in stages], self.layout.num_stages, self.owner, self.group, self.device)
