@@ -187,7 +187,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     if pipelined is not None:
         pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                             config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
-                            functools.partial(forward_context, tensor_parallel, context_parallel, module))
+                            functools.partial(forward_context, tensor_parallel, context_parallel, module)
+                            if tensor_parallel is not None or context_parallel is not None else None)
     if config.sync_batchnorm and topology.sizes["dp"] > 1:
         sync_batchnorm(module, topology.group("dp"))
     fp32_values = apply_mixed_precision(module, config)

@@ -126,15 +126,18 @@ class RandomSchedule:
 
 
 class ScheduledStage(StageModule):
-    """A StageModule that knows which microbatch it runs (for the random schedule) and how
-    many are alive (for the statistics); `loss_only` on the last stage returns the loss."""
+    """A StageModule that knows which microbatch it runs (for the random schedule); `loss_only`
+    on the last stage returns the loss. Under torch's executor (`counts_alive`) it also counts
+    the microbatches alive for the statistics; our runner counts them itself."""
 
-    def __init__(self, pipeline: "Pipeline", compiled: "Compiled", part: StagePart, loss_only: bool):
+    def __init__(self, pipeline: "Pipeline", compiled: "Compiled", part: StagePart, loss_only: bool,
+                 counts_alive: bool):
         last = part.stage == pipeline.layout.num_stages - 1
         super().__init__(pipeline.module, compiled.program, part, last, pipeline.device)
         self._pipeline = [pipeline]
         self.random = compiled.random if loss_only else None  # inference draws as it goes
         self.loss_only = loss_only
+        self.counts_alive = counts_alive
         self.calls = 0
 
     def before_step(self, index: int) -> None:
@@ -143,15 +146,19 @@ class ScheduledStage(StageModule):
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         pipeline = self._pipeline[0]
-        with pipeline.forward_context():
+        if pipeline.plain_forward:
             out = StageModule.forward(self, *received, batch=batch)
+        else:
+            with pipeline.forward_context():
+                out = StageModule.forward(self, *received, batch=batch)
         self.calls += 1
         if self.last:
             out = loss_of(out) if self.loss_only else _leaves_for_merge(out)
-        first = next((t for t in tensor_leaves(out) if t.requires_grad), None)
-        if first is not None and torch.is_grad_enabled():
-            pipeline.stats.forward_done(self.part.stage)
-            first.register_hook(lambda grad: pipeline.stats.backward_done(self.part.stage))
+        if self.counts_alive and torch.is_grad_enabled():
+            first = next((t for t in tensor_leaves(out) if t.requires_grad), None)
+            if first is not None:
+                pipeline.stats.forward_done(self.part.stage)
+                first.register_hook(lambda grad: pipeline.stats.backward_done(self.part.stage))
         return out
 
 
@@ -195,7 +202,7 @@ class Pipeline:
 
     def __init__(self, module: nn.Module, shadow: nn.Module, fake_mode, topology: Topology, layout: StageLayout,
                  schedule: str, microbatches: int, units: list[str], sample: Any, program: Program,
-                 forward_context: Callable[[], contextlib.AbstractContextManager]):
+                 forward_context: Callable[[], contextlib.AbstractContextManager] | None):
         self.module = module
         self.shadow = shadow
         self.fake_mode = fake_mode
@@ -209,7 +216,9 @@ class Pipeline:
         self.stages = layout.stages_of_rank(topology.pp_rank)
         self.units = units
         self.stats = PipelineStats()
-        self.forward_context = forward_context  # around each stage forward (tensor parallel's checks)
+        # around each stage forward (tensor parallel's checks, context parallel's attention); none: plain
+        self.plain_forward = forward_context is None
+        self.forward_context = forward_context or contextlib.nullcontext
         self._sync: GradientSync | None = None
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
@@ -296,7 +305,8 @@ class Pipeline:
                     produced = loss_of(produced) if training else _leaves_for_merge(produced)
                 outputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensor_leaves(produced))
                 inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in received)
-                module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training)
+                module = ScheduledStage(self, compiled, compiled.parts[stage], loss_only=training,
+                                        counts_alive=self.schedule_name == "zero-bubble")
                 stages.append(ReducingStage(module, stage, self.layout.num_stages, self.device, input_args=inputs,
                                             output_args=outputs, group=self.group, pipeline=self))
             compiled.stages[training] = stages
@@ -381,7 +391,7 @@ class Pipeline:
         try:
             if isinstance(schedule, OrderRunner):
                 schedule.run(split_batch(batch, self.microbatches), lambda i, loss: self._microbatch_loss(loss, weights[i]),
-                             self.backward_of, self.stage_done)
+                             self.backward_of, self.stage_done, self.stats)
             else:
                 schedule.step(batch=batch, target=target, return_outputs=False)
         finally:

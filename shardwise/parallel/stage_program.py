@@ -384,15 +384,17 @@ class StageModule(nn.Module):
         self.last = last
         self.device = device
         self._calls: list | None = None  # per step: spec, fixed leaves, slots (built at the first call)
+        self._reads_batch = True
         self.units = nn.ModuleDict()  # for PipelineStage's parameter bookkeeping only
         for index in part.steps:
             unit = program.steps[index].unit
             if unit is not None and unit.replace(".", "/") not in self.units:
                 self.units[unit.replace(".", "/")] = root.get_submodule(unit)
 
-    def _resolved(self, step: Step) -> tuple[Any, list, list[tuple[int, int]], list[tuple[int, str]]]:
+    def _resolved(self, step: Step) -> tuple[Any, list, list[tuple[int, int]], list[tuple[int, str]], bool]:
         """A step's arguments flattened once: their spec, the leaves fixed for every call
-        (constants, constant tensors on this device) and the slots filled per call."""
+        (constants, constant tensors on this device), the slots filled per call, and whether
+        the leaves are the positional arguments themselves (no unflattening per call)."""
         leaves, spec = tree_flatten((step.args, step.kwargs))
         refs, named = [], []
         for slot, leaf in enumerate(leaves):
@@ -404,28 +406,45 @@ class StageModule(nn.Module):
                 leaves[slot] = leaf.to(self.device)
             elif isinstance(leaf, torch.device):
                 leaves[slot] = self.device if leaf.type != self.device.type else leaf
-        return spec, leaves, refs, named
+        slots = list(range(len(leaves)))
+        positional = tree_unflatten(slots, spec) == (tuple(slots), {})
+        return spec, leaves, refs, named, positional
+
+    def _prepare(self) -> None:
+        """The per-step call records, and whether any of them reads the batch (a stage that
+        only transforms what it receives need not flatten the microbatch each call)."""
+        self._calls = [(self.program.steps[index], *self._resolved(self.program.steps[index]))
+                       for index in self.part.steps]
+        read = {value for _, _, _, refs, _, _ in self._calls for _, value in refs}
+        if self.last:
+            read |= {leaf.id for leaf in tree_flatten(self.program.output)[0] if isinstance(leaf, Ref)}
+        read |= set(self.part.sends)
+        self._reads_batch = bool(read & set(self.program.inputs))
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         root = self._root[0]
-        env: dict[int, Any] = dict(zip(self.program.inputs, tensor_leaves(batch)))
-        env.update(zip(self.part.receives, received))
         if self._calls is None:
-            self._calls = [(self.program.steps[index], *self._resolved(self.program.steps[index]))
-                           for index in self.part.steps]
-        for step, spec, fixed, refs, named in self._calls:
+            self._prepare()
+        env: dict[int, Any] = dict(zip(self.part.receives, received))
+        if self._reads_batch:
+            env.update(zip(self.program.inputs, tensor_leaves(batch)))
+        for step, spec, fixed, refs, named, positional in self._calls:
             self.before_step(step.index)
             leaves = list(fixed)
             for slot, value in refs:
                 leaves[slot] = env[value]
             for slot, name in named:  # read per call: parameters may be swapped (ZeRO-3, checkpoints)
                 leaves[slot] = _named(root, name)
-            args, kwargs = tree_unflatten(leaves, spec)
-            with torch.set_grad_enabled(step.grad and torch.is_grad_enabled()):
-                if step.unit is not None:
-                    out = root.get_submodule(step.unit)(*args, **kwargs)
-                else:
-                    out = step.func(*args, **kwargs)
+            call = root.get_submodule(step.unit) if step.unit is not None else step.func
+            if positional:
+                args, kwargs = leaves, {}
+            else:
+                args, kwargs = tree_unflatten(leaves, spec)
+            if step.grad or not torch.is_grad_enabled():  # the grad mode it was captured in holds already
+                out = call(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    out = call(*args, **kwargs)
             if isinstance(out, torch.Tensor) and step.tensor_slots == [0]:
                 env[step.outputs[0]] = out
             else:
