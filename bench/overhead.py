@@ -1,0 +1,84 @@
+"""The wrapper's own cost: shardwise at world size 1 against the plain module, same device.
+
+    python bench/overhead.py [--layers 4] [--d-model 256] [--seq 128] [--batch 8]
+    torchrun --nproc-per-node 1 bench/overhead.py
+
+Without torchrun's environment `sw.init_distributed()` starts a world of one process (the
+single-rank path); under torchrun it joins the launched world. Both steps are forward,
+backward, AdamW and zero_grad on the same GPT and the same batches, already on the device;
+rounds alternate between them and the device is synchronized around each round. At world
+size 1 shardwise has nothing to communicate, so the difference is what the wrapper itself
+costs per step: batch checks, the step's bookkeeping and its collectives of one rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from common import bench_batches, bench_gpt, bench_parser
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _timed(step, batches, device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    _synchronize(device)
+    return (time.perf_counter() - start) / len(batches)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, ranks=1, rounds=7, steps=20)
+    parser.set_defaults(seq=128)
+    args = parser.parse_args()
+
+    sw.init_distributed()
+    pm = sw.parallelize(bench_gpt(args), sw.ParallelConfig())
+    device = pm.topology.device
+    sw_opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    plain = bench_gpt(args).to(device)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    batches = [b.to(device) for b in bench_batches(args, seed=0)]
+
+    def plain_step(batch):
+        plain(batch).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    def sw_step(batch):
+        pm.train_step(batch)
+        sw_opt.step()
+        sw_opt.zero_grad()
+
+    steps = {"plain module": plain_step, "shardwise": sw_step}
+    for step in steps.values():
+        _timed(step, batches[:3], device)
+    times = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            times[name].append(_timed(step, batches, device))
+
+    params = sum(p.numel() for p in plain.parameters())
+    print(f"overhead: GPT {params / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), "
+          f"batch {args.batch} x {args.seq} tokens, AdamW, world {dist.get_world_size()} "
+          f"({dist.get_backend()}) on {device}")
+    median = {name: statistics.median(values) for name, values in times.items()}
+    for name, values in times.items():
+        print(f"{name:<14} {median[name] * 1e3:8.3f} ms/step   rounds: " + " ".join(f"{t * 1e3:.3f}" for t in values))
+    extra = median["shardwise"] - median["plain module"]
+    print(f"wrapper overhead: {extra * 1e3:+.3f} ms/step ({extra / median['plain module'] * 100:+.1f}%)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
