@@ -12,17 +12,20 @@ measuring changes nothing about training.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .batch import loss_of
+from .errors import ConfigError
 from .plan.stages import candidate_units, layer_list
 from .random_state import without_trace
 from .tensors import local, storage_id, tensor_leaves
@@ -58,7 +61,8 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
             tensor = tensor.elem
         else:
             break
-    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+    if tensor.device.type == "meta" or type(tensor) not in (torch.Tensor, FakeTensor) \
+            and not isinstance(tensor, torch.nn.Parameter):
         return None
     return tensor.untyped_storage()
 
@@ -66,18 +70,37 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 class _Creations(TorchDispatchMode):
     """Notes every new storage an op returns, charged to the running unit."""
 
-    def __init__(self, existing: set[int]):
+    def __init__(self, existing: set[int], fake_mode: FakeTensorMode | None):
         super().__init__()
         self.existing = existing
+        self.fake_mode = fake_mode
+        self.twins: dict[int, torch.Tensor] = {}  # id of a real tensor -> its fake twin
         self.created: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.units: list[str] = []
 
+    def _fake(self, x: Any) -> Any:
+        """A real tensor's fake twin; the twin of one that existed before exists too (a view
+        of a parameter is no activation)."""
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor) or type(x) not in (torch.Tensor, torch.nn.Parameter):
+            return x
+        twin = self.twins.get(id(x))
+        if twin is None:  # kept alive while measuring: a freed twin's storage id would be reused
+            twin = self.twins[id(x)] = self.fake_mode.from_tensor(x)
+            if storage_id(x.untyped_storage()) in self.existing:
+                self.existing.add(storage_id(twin.untyped_storage()))
+        return twin
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.fake_mode is not None:
+            args, kwargs = tree_map(self._fake, (args, kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 storage = _storage(leaf)
-                if storage is not None and storage_id(storage) not in self.existing and storage_id(storage) not in self.created:
+                if storage is None or storage_id(storage) in self.existing:
+                    continue
+                known = self.created.get(storage_id(storage))
+                if known is None or known[0].expired():  # the id of a freed storage is reused for new ones
                     unit = self.units[-1] if self.units else OUTSIDE
                     self.created[storage_id(storage)] = (StorageWeakRef(storage), storage.nbytes(), unit)
         return out
@@ -90,19 +113,33 @@ class _Creations(TorchDispatchMode):
         return by_unit
 
 
-def activation_memory(pmodel, batch: Any) -> ActivationMemory:
+def activation_memory(pmodel, batch: Any, fake: bool = False) -> ActivationMemory:
     """Bytes one microbatch of `batch` keeps for backward on this rank (see the module
-    docstring). Collective, like train_step: every rank calls it with its own batch."""
+    docstring). Collective, like train_step: every rank calls it with its own batch.
+
+    `fake=True` runs the forward under torch's FakeTensorMode: tensors have shapes and no
+    data, so nothing is computed or allocated, and the count equals the real one (tested
+    for dp, tp, pp, cp, ZeRO 1-3 and recompute; refused under sequence parallelism, where
+    it is not yet checked). The ranks still agree on the batch for real, and under a
+    pipeline a new microbatch shape is compiled for real first (one forward of the stages).
+    With torch's fake process group, one process can measure a rank of a world it does not
+    have (bench/planner.py does, for a 1B Llama at world 64)."""
     parts = pmodel.config.microbatches
+    if fake and pmodel.config.sequence_parallel:
+        raise ConfigError("activation_memory(fake=True) under sequence parallelism: its count under fake tensors is "
+                          "not yet checked against the real one; measure with fake=False")
     batch, microbatches, _, _ = pmodel.agree_on_batch("activation_memory", batch, parts, check=True)
+    if fake and pmodel.pipeline is not None:
+        pmodel.pipeline.compiled(microbatches[0])  # a new shape is captured and its stages' boundaries found for real
     module = pmodel.module
     units = candidate_units(module)
     blocks = layer_list(module)
     params, grads = pmodel.held_tensors()
     gathered = [b.param_buffer for b in pmodel.gradients.buckets]  # ZeRO-3's whole buffers
-    existing = {storage_id(s) for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)]
-                if t is not None and (s := _storage(t)) is not None}
-    creations = _Creations(existing)
+    held = [t for t in [*params, *grads, *gathered, *module.buffers(), *tensor_leaves(batch)] if t is not None]
+    existing = {storage_id(s) for t in held if (s := _storage(t)) is not None}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    creations = _Creations(existing, fake_mode)
     ran: list[str] = []
 
     def enter(path: str) -> None:
@@ -119,7 +156,7 @@ def activation_memory(pmodel, batch: Any) -> ActivationMemory:
         handles.append(unit.register_forward_hook(lambda m, a, o: leave()))
     try:
         with pmodel.in_step("activation_memory"), without_trace(module, pmodel.topology.device), \
-                torch.enable_grad(), pmodel.loss_parallel():
+                torch.enable_grad(), pmodel.loss_parallel(), fake_mode or contextlib.nullcontext():
             kept = _forward(pmodel, microbatches[0], creations)
             gc.collect()
             by_unit = creations.alive()

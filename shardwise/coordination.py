@@ -383,8 +383,15 @@ def world_coordinator(timeout_s: float) -> Coordinator:
 
 
 def control_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """`group` itself when it carries CPU tensors, else a gloo group of the same ranks."""
+    """`group` itself when it carries CPU tensors, else a new group of the same ranks that does."""
     backend = str(dist.get_backend(group))
-    if "gloo" in backend:
+    if "gloo" in backend or backend == "fake":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(dist.get_process_group_ranks(group), backend=control_backend(),
+                          timeout=timedelta(seconds=timeout_s))
+
+
+def control_backend() -> str:
+    """The backend of the CPU groups ranks agree over: gloo, or in torch's fake world (one
+    process standing for every rank, to plan and measure memory) the fake backend itself."""
+    return "fake" if dist.get_backend() == "fake" else "gloo"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig
-from .coordination import Coordinator
+from .coordination import Coordinator, control_backend
 from .errors import ShardwiseError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest-varying first
@@ -122,7 +122,7 @@ class Topology:
             per_dim, self.device.type, mesh=self.grid, mesh_dim_names=MESH_DIMS
         )
         # Its own CPU group: agreements of one topology never pair with another's collectives.
-        control = dist.new_group(list(range(self.world_size)), timeout=self.timeout, backend="gloo")
+        control = dist.new_group(list(range(self.world_size)), timeout=self.timeout, backend=control_backend())
         self.coordinator = Coordinator(control, self.config.timeout_s)
 
     # coordinates -------------------------------------------------------------------

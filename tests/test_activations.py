@@ -38,6 +38,7 @@ import transformers
 
 import shardwise as sw
 from parity import make_gpt
+from shardwise.models import CausalLM
 
 S, B, H, A = 64, 8, 64, 4  # sequence, microbatch, width, heads
 MARGIN = 0.10
@@ -106,3 +107,34 @@ def test_saved_bytes_per_layer_match_the_formula(world):
         if config["recompute"] == "full":
             none = by_case[(kind, tuple(sorted({**config, "recompute": None}.items(), key=str)))]
             assert by_case[(kind, tuple(sorted(config.items(), key=str)))] <= none / 5
+
+
+def _real_and_fake(cases):
+    """Per case on this rank: the saved bytes measured for real and under fake tensors, at a
+    microbatch shape other than the sample's (a pipeline compiles it first)."""
+    ids = torch.randint(0, 64, (2 * B, 2 * S + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    sample = {"input_ids": ids[:, :S].contiguous(), "labels": ids[:, 1:S + 1].contiguous()}
+    out = []
+    for config in cases:
+        model = CausalLM(_llama().lm)  # shifts labels itself, as context parallelism needs
+        pm = sw.parallelize(model, sw.ParallelConfig(**config), plan="llama" if config.get("tp", 1) > 1 else None,
+                            sample=sample)
+        out.append((sw.activation_memory(pm, batch).by_unit, sw.activation_memory(pm, batch, fake=True).by_unit))
+    pm = sw.parallelize(_llama(), sw.ParallelConfig(tp=2, sequence_parallel=True), plan="llama")
+    with pytest.raises(sw.ConfigError, match=r"fake=True\) under sequence parallelism"):
+        sw.activation_memory(pm, batch, fake=True)
+    return out
+
+
+def test_fake_tensors_count_what_real_ones_do():
+    """activation_memory(fake=True) counts, byte for byte and unit by unit, what the real
+    forward keeps; shapes alone decide the count, so equality is exact. Faults it catches:
+    a view of a parameter counted as an activation (its fake twin made afresh per op:
+    +1 weight matrix per matmul), a storage id reused after its first owner died (a block's
+    output lost under full recompute), a collective's wait counted as a second buffer."""
+    cases = [{"tp": 2, "zero": 1}, {"tp": 2, "recompute": "full"}, {"pp": 2, "microbatches": 2},
+             {"cp": 2, "tp": 2}, {"zero": 3, "recompute": "selective"}, {"tp": 2, "pp": 2, "microbatches": 2}]
+    for rank_values in sw.testing.run_on_ranks(_real_and_fake, 4, cases):
+        for config, (real, fake) in zip(cases, rank_values):
+            assert fake == real, f"{config}: fake {fake} != real {real}"
