@@ -6,6 +6,9 @@ evaluates a whole grid of layouts at once and `explain()` evaluates one with the
 Memory (bytes on the busiest pipeline rank: the first, which keeps the most microbatches in
 flight and the embedding, or the last, which keeps the logits):
 - parameters: this rank's blocks and end pieces, sharded parts / tp; / (dp*cp) at ZeRO-3;
+  the blocks each end rank holds are what shardwise's stage balancer gives it
+  (`stage_layers`: the same cost, FLOP share plus parameter share per module, so the
+  embedding's parameters leave the first stage fewer blocks);
 - gradients: as parameters (reduce_dtype left at its default, the parameter dtype);
   / (dp*cp) at ZeRO-2 and 3;
 - optimizer: Adam's two float32 moments (+ float32 master weights under bf16), / (dp*cp)
@@ -28,11 +31,13 @@ all-gathers per microbatch too) beyond what overlaps the last backward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .cluster import Cluster
+from ..plan.stages import balance
 from .model import ModelSpec
 
 # Fraction of peak FLOP/s a transformer block's matmuls reach at scale; calibrated so that
@@ -155,20 +160,52 @@ def _ring(n, nbytes, bandwidth, factor):
     return np.where(n > 1, factor * (n - 1) / n * nbytes / bandwidth, 0.0)
 
 
+@functools.lru_cache(maxsize=4096)
+def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[int, int]:
+    """Blocks of the layer list on the first and on the last pipeline rank, as shardwise's
+    automatic split places them (plan/stages.py's `balance` over the same unit costs: each
+    unit's share of forward FLOPs plus its share of parameters; the embedding lookup costs
+    parameters and no FLOPs, the head both, a block 2 FLOPs per parameter and token plus
+    4 s h for attention, as torch's FLOP counter counts it)."""
+    if pp == 1:
+        return spec.layers, spec.layers
+    layer_params = sum(spec.layer_params)
+    tied = spec.head_params[0] == 0
+    units = ([(sum(spec.embed_params), 0.0, False)]
+             + [(layer_params, 2.0 * layer_params + 4.0 * seq_len * spec.hidden, True)] * spec.layers
+             + [(sum(spec.head_params) + (spec.embed_params[0] if tied else 0), 2.0 * spec.hidden * spec.vocab, False)])
+    total_params = sum(u[0] for u in units) or 1
+    total_flops = sum(u[1] for u in units) or 1.0
+    costs = [params / total_params + flops / total_flops for params, flops, _ in units]
+    starts = balance(costs, [params > 0 for params, _, _ in units], pp * virtual) + [len(units)]
+    blocks = [sum(units[i][2] for i in range(starts[k], starts[k + 1])) for k in range(pp * virtual)]
+    return sum(blocks[0::pp]), sum(blocks[pp - 1::pp])
+
+
+def _end_rank_layers(spec: ModelSpec, pp, virtual, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """`stage_layers` over arrays of layouts (computed once per distinct pp and virtual)."""
+    pp, virtual = np.broadcast_arrays(pp, virtual)
+    pairs, inverse = np.unique(np.stack([pp.ravel(), virtual.ravel()]), axis=1, return_inverse=True)
+    counts = np.array([stage_layers(spec, int(p), int(v), int(seq_len)) for p, v in pairs.T], dtype=np.float64)
+    counts = counts.reshape(-1, 2)[inverse.ravel()]
+    return counts[:, 0].reshape(pp.shape), counts[:, 1].reshape(pp.shape)
+
+
 def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) -> Cost:
     """Predicted memory and step time of `layout` (arrays broadcast) for sequences of `seq_len`."""
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
     world = L.dp * L.tp * L.pp * L.cp
-    layers_here = np.ceil(spec.layers / L.pp)
+    layers_here = np.ceil(spec.layers / L.pp)  # the busiest rank's blocks, for time
+    layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len)  # for memory
     tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
 
     # model states on the first pipeline rank (embedding) and on the last (head)
     sharded_l, replicated_l = spec.layer_params
-    per_layers = layers_here * (sharded_l / L.tp + replicated_l)
+    per_layer = sharded_l / L.tp + replicated_l
     embed = spec.embed_params[0] / L.tp + spec.embed_params[1]
     head = spec.head_params[0] / L.tp + spec.head_params[1] + np.where(tied_elsewhere, spec.embed_params[0] / L.tp, 0)
-    params_first = per_layers + embed + np.where(L.pp == 1, head, 0)  # at pp=1 one rank holds all
-    params_last = per_layers + head + np.where(L.pp == 1, embed, 0)
+    params_first = layers_first * per_layer + embed + np.where(L.pp == 1, head, 0)  # at pp=1 one rank holds all
+    params_last = layers_last * per_layer + head + np.where(L.pp == 1, embed, 0)
     shards = L.dp * L.cp
 
     def states(count):
@@ -181,8 +218,8 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     tokens = L.micro_batch * seq_len / L.cp
     block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes)
     end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes)
-    act_first = layers_here * block + end_first + np.where(L.pp == 1, end_last, 0)
-    act_last = layers_here * block + end_last
+    act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
+    act_last = layers_last * block + end_last
     held = in_flight(L)
     first, last = states(params_first), states(params_last)
     use_last = (L.pp > 1) & (sum(last) + act_last > sum(first) + held * act_first)
