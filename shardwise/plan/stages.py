@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+import numpy as np
 from torch import nn
 from ..config import SCHEDULES, ParallelConfig
 from ..errors import ModelError, PlanError
@@ -116,29 +117,29 @@ def _unit_cost(unit: Unit, units: list[Unit]) -> float:
 
 
 def balance(costs: list[float], holds: list[bool], stages: int) -> list[int]:
-    """Start index of each stage: contiguous pieces, each holding parameters, minimizing the max cost."""
+    """Start index of each stage: contiguous pieces, each holding parameters, minimizing the
+    max cost (a dynamic program over stages; for each stage count and prefix end, the
+    earliest cut achieving the minimum)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    held = [0]
-    for h in holds:
-        held.append(held[-1] + h)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[k][i]: first i units in k stages
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    held = np.concatenate([[0], np.cumsum(np.asarray(holds, dtype=np.int64))])
+    index = np.arange(n + 1)
+    # a stage [j, i) must hold parameters and begin with a module that does (or at the start)
+    allowed = (index[None, :] < index[:, None]) & (held[:, None] != held[None, :]) \
+        & np.concatenate([[True], np.asarray(holds[1:], dtype=bool), [False]])[None, :]
+    spans = prefix[:, None] - prefix[None, :]  # [i, j]: cost of units j..i-1
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for k in range(1, stages + 1):
-        for i in range(1, n + 1):
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf or held[i] == held[j] or (j > 0 and not holds[j]):
-                    continue  # a stage must hold parameters and begin with a module that does
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
+        value = np.where(allowed & (index[None, :] >= k - 1) & np.isfinite(best)[None, :],
+                         np.maximum(best[None, :], spans), np.inf)
+        cut[k] = np.argmin(value, axis=1)  # the first of equal minima, as a scan in order keeps
+        best = value[index, cut[k]]
+        cut[k][~np.isfinite(best)] = 0
     starts, i = [], n
     for k in range(stages, 0, -1):
-        i = cut[k][i]
+        i = int(cut[k][i])
         starts.append(i)
     return starts[::-1]
 
