@@ -8,6 +8,12 @@
    (`sw.activation_memory`), against the planner's prediction for that rank's pipeline
    position (first or last stage; middle stages of pp=4 are not compared). Prints every
    layout's error, the worst and the median.
+   Then a 1.1 B-parameter Llama (TinyLlama's shape, 8 KV heads) at world 64, in one process: torch's
+   fake process group stands for the other 63 ranks (collectives move nothing), the model
+   is built with sw.deferred_init so only rank 0's shards are materialized, a training step
+   on a short batch and an AdamW step create the gradients and optimizer state
+   (`pm.memory()`: real bytes, independent of the batch), and one microbatch of --big-seq
+   tokens is counted under FakeTensorMode (`sw.activation_memory(..., fake=True)`).
 2. Speed: the whole search space for llama3-405b on 16,384 H100s and llama3-70b on 1,024.
 3. Quality: the top choice against an exhaustive scalar re-evaluation, and Meta's published
    Llama 3 405B layouts (arXiv 2407.21783, Table 4) predicted in the same cost model.
@@ -16,10 +22,13 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 
@@ -85,13 +94,13 @@ def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]
     return out
 
 
-def predict(kind: str, options: dict, model: nn.Module, world: int):
+def predict(kind: str, options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: int = MICRO):
     """The planner's (first stage, last stage) prediction of (states, one microbatch's activations)."""
     config = sw.ParallelConfig(**options).resolve(world)
     layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
-                    recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=MICRO,
+                    recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=micro,
                     microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1, param_bytes=4)
-    cost = evaluate(model_spec(model), Cluster.local(world), layout, SEQ)
+    cost = evaluate(model_spec(model), Cluster.local(world), layout, seq)
     return ((float(cost.states_first), float(cost.microbatch_first)),
             (float(cost.states_last), float(cost.microbatch_last)))
 
@@ -117,6 +126,68 @@ def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
             name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items())
             print(f"  {name:<78} total {worst[0]:+7.2%}  (states {worst[1]:+7.2%}, activations {worst[2]:+7.2%})")
             errors.append((name, *worst))
+    return errors
+
+
+BIG_WORLD = 64
+BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+           num_key_value_heads=8)  # TinyLlama 1.1B's shape, with 8 KV heads (tp up to 8)
+BIG_LAYOUTS = [
+    {"tp": 8, "zero": 1}, {"tp": 8, "zero": 1, "recompute": "full"}, {"tp": 4, "zero": 2, "recompute": "selective"},
+    {"dp": 64, "zero": 3}, {"tp": 8, "cp": 2, "zero": 1}, {"tp": 4, "pp": 2, "microbatches": 2, "zero": 1},
+    {"tp": 2, "pp": 4, "microbatches": 4, "zero": 1, "recompute": "selective"},
+]
+
+
+def _llama_of(shape: dict) -> nn.Module:
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=8192)
+    config._attn_implementation = "sdpa"
+    return CausalLM(transformers.LlamaForCausalLM(config))
+
+
+def _tokens(vocab: int, rows: int, seq: int) -> dict:
+    ids = torch.randint(0, vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _measure_fake_world(shape: dict, world: int, options: dict, seq: int) -> tuple[float, float, int]:
+    """Rank 0 of a fake world of `world` ranks under `options`: (model-state bytes, one
+    microbatch's saved bytes, parameters in the whole model)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    config = sw.ParallelConfig(**options).resolve(world)
+    model = sw.deferred_init(_llama_of, shape)
+    params = sum(p.numel() for p in model.parameters())
+    rows, vocab = config.microbatches, shape["vocab_size"]  # this replica's batch: one sequence per microbatch
+    pm = sw.parallelize(model, sw.ParallelConfig(**options), plan="llama" if config.tp > 1 else None,
+                        sample=_tokens(vocab, rows, seq))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    pm.train_step(_tokens(vocab, rows, 16 * config.cp))  # gradients and optimizer state exist after a step
+    opt.step()
+    states = sum(pm.memory().values())
+    saved = sw.activation_memory(pm, _tokens(vocab, rows, seq), fake=True).total
+    dist.destroy_process_group()
+    return float(states), float(saved), params
+
+
+def fake_world_validation(shape: dict, world: int, layouts: list[dict], seq: int) -> list[tuple[str, float, float, float]]:
+    """A Llama of `shape` at `world` ranks, rank 0 measured in one (spawned) process per
+    layout, against the planner: (name, total, model states, activations) relative errors."""
+    # a fresh process per layout: each holds rank 0's real shards (up to ~10 GiB for the 1.1B at dp=64)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                max_tasks_per_child=1) as pool:
+        measured = list(pool.map(_measure_fake_world, *zip(*[(shape, world, options, seq) for options in layouts])))
+    errors = []
+    with torch.device("meta"):
+        spec_model = _llama_of(shape)
+    for options, (states, saved, params) in zip(layouts, measured):
+        (want_states, want_saved), _ = predict("llama", options, spec_model, world, seq=seq, micro=1)
+        worst = ((want_states + want_saved) / (states + saved) - 1, want_states / states - 1, want_saved / saved - 1)
+        name = f"llama {params / 1e9:.2f}B world {world} seq {seq} " + " ".join(f"{k}={v}" for k, v in options.items())
+        print(f"  {name:<78} total {worst[0]:+7.2%}  (states {worst[1]:+7.2%}, activations {worst[2]:+7.2%})  "
+              f"measured {(states + saved) / 2**30:.2f} GiB")
+        errors.append((name, *worst))
     return errors
 
 
@@ -154,16 +225,24 @@ def meta_layouts() -> None:
               f"{'':>10} {ours.step_seconds:>8.2f}")
 
 
+def _print_errors(errors: list[tuple[str, float, float, float]]) -> None:
+    for column, label in ((1, "total"), (2, "model states"), (3, "activations")):
+        magnitudes = [abs(e[column]) for e in errors]
+        print(f"{label}: worst {max(magnitudes):.2%}, median {statistics.median(magnitudes):.2%} over {len(errors)} layouts")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="memory validation on worlds 1 and 2 only")
+    parser.add_argument("--big-seq", type=int, default=4096, help="tokens per microbatch of the 1.1B Llama at world 64")
     args = parser.parse_args()
     layouts = [x for x in LAYOUTS if not args.quick or x[1] <= 2]
     print(f"memory: {len(layouts)} layouts, predicted vs measured bytes per rank (states + one microbatch's activations)")
     errors = memory_validation(layouts)
-    for column, label in ((1, "total"), (2, "model states"), (3, "activations")):
-        magnitudes = [abs(e[column]) for e in errors]
-        print(f"{label}: worst {max(magnitudes):.2%}, median {statistics.median(magnitudes):.2%} over {len(errors)} layouts")
+    _print_errors(errors)
+    print(f"\nmemory at scale: {len(BIG_LAYOUTS)} layouts of a 1.1B Llama at world {BIG_WORLD}, one process "
+          "(fake process group, deferred init, activations under FakeTensorMode)")
+    _print_errors(fake_world_validation(BIG, BIG_WORLD, BIG_LAYOUTS, args.big_seq))
     print()
 
     for name, gpus, tokens in (("llama3-405b", 16384, 16 * 2 ** 20), ("llama3-70b", 1024, 4 * 2 ** 20)):

@@ -41,6 +41,27 @@ def test_memory_predictions_match_measurement(capsys):
             assert abs(error) <= MEMORY_MARGIN, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
 
 
+# A Llama whose embedding outweighs a block, so shardwise's stage balancer gives the first
+# pipeline stage fewer blocks than ceil(L/pp): 8 blocks at pp=4 go 1/2/2/3, not 2/2/2/2.
+HEAVY_EMBEDDING = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_memory_predictions_in_a_fake_world():
+    """Rank 0 of a world of 8 measured in one process (torch's fake process group, deferred
+    init, activations counted under FakeTensorMode), as bench/planner.py measures a 1.1B
+    Llama at world 64; shardwise's agreements run over the fake group itself there. Fault it
+    catches: the first stage assumed to hold ceil(L/pp) blocks (+32% at pp=4); the cp layout
+    checks that stages are balanced on a rank's own sequence shard."""
+    layouts = [{"tp": 2, "pp": 4, "microbatches": 4, "zero": 1}, {"tp": 2, "zero": 3, "recompute": "selective"},
+               {"pp": 2, "cp": 2, "microbatches": 2, "zero": 2}]
+    errors = bench.fake_world_validation(HEAVY_EMBEDDING, 8, layouts, 256)
+    assert len(errors) == len(layouts)
+    for name, total, states, activations in errors:
+        for part, error in (("total", total), ("model states", states), ("activations", activations)):
+            assert abs(error) <= MEMORY_MARGIN, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
+
+
 def test_model_specs_count_parameters_exactly():
     import transformers
 

@@ -182,11 +182,12 @@ def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[
     return sum(blocks[0::pp]), sum(blocks[pp - 1::pp])
 
 
-def _end_rank_layers(spec: ModelSpec, pp, virtual, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """`stage_layers` over arrays of layouts (computed once per distinct pp and virtual)."""
-    pp, virtual = np.broadcast_arrays(pp, virtual)
-    pairs, inverse = np.unique(np.stack([pp.ravel(), virtual.ravel()]), axis=1, return_inverse=True)
-    counts = np.array([stage_layers(spec, int(p), int(v), int(seq_len)) for p, v in pairs.T], dtype=np.float64)
+def _end_rank_layers(spec: ModelSpec, pp, virtual, seq_local) -> tuple[np.ndarray, np.ndarray]:
+    """`stage_layers` over arrays of layouts (once per distinct pp, virtual and sequence
+    length on a rank: the stages are balanced on a rank's own sample, its cp shard)."""
+    pp, virtual, seq_local = np.broadcast_arrays(pp, virtual, seq_local)
+    keys, inverse = np.unique(np.stack([pp.ravel(), virtual.ravel(), seq_local.ravel()]), axis=1, return_inverse=True)
+    counts = np.array([stage_layers(spec, int(p), int(v), int(s)) for p, v, s in keys.T], dtype=np.float64)
     counts = counts.reshape(-1, 2)[inverse.ravel()]
     return counts[:, 0].reshape(pp.shape), counts[:, 1].reshape(pp.shape)
 
@@ -196,7 +197,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
     world = L.dp * L.tp * L.pp * L.cp
     layers_here = np.ceil(spec.layers / L.pp)  # the busiest rank's blocks, for time
-    layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len)  # for memory
+    layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len / L.cp)  # for memory
     tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
 
     # model states on the first pipeline rank (embedding) and on the last (head)
