@@ -81,7 +81,7 @@ class _Creations(TorchDispatchMode):
     def _fake(self, x: Any) -> Any:
         """A real tensor's fake twin; the twin of one that existed before exists too (a view
         of a parameter is no activation)."""
-        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor) or type(x) not in (torch.Tensor, torch.nn.Parameter):
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):  # fake already, or no tensor
             return x
         twin = self.twins.get(id(x))
         if twin is None:  # kept alive while measuring: a freed twin's storage id would be reused
@@ -128,7 +128,9 @@ def activation_memory(pmodel, batch: Any, fake: bool = False) -> ActivationMemor
     if fake and pmodel.config.sequence_parallel:
         raise ConfigError("activation_memory(fake=True) under sequence parallelism: its count under fake tensors is "
                           "not yet checked against the real one; measure with fake=False")
-    batch, microbatches, _, _ = pmodel.agree_on_batch("activation_memory", batch, parts, check=True)
+    # the op names fake= too: ranks measuring differently disagree before any stage communicates
+    op = "activation_memory(fake=True)" if fake else "activation_memory"
+    batch, microbatches, _, _ = pmodel.agree_on_batch(op, batch, parts, check=True)
     if fake and pmodel.pipeline is not None:
         pmodel.pipeline.compiled(microbatches[0])  # a new shape is captured and its stages' boundaries found for real
     module = pmodel.module

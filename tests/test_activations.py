@@ -35,10 +35,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch._subclasses.fake_tensor import is_fake
 
 import shardwise as sw
 from parity import make_gpt
 from shardwise.models import CausalLM
+from shardwise.tensors import local
 
 S, B, H, A = 64, 8, 64, 4  # sequence, microbatch, width, heads
 MARGIN = 0.10
@@ -120,10 +122,19 @@ def _real_and_fake(cases):
         model = CausalLM(_llama().lm)  # shifts labels itself, as context parallelism needs
         pm = sw.parallelize(model, sw.ParallelConfig(**config), plan="llama" if config.get("tp", 1) > 1 else None,
                             sample=sample)
-        out.append((sw.activation_memory(pm, batch).by_unit, sw.activation_memory(pm, batch, fake=True).by_unit))
+        fake_outputs = []  # whether the first block's output was a fake tensor, per call
+        hook = model.lm.model.layers[0].register_forward_hook(
+            lambda m, a, o: fake_outputs.append(is_fake(local(o[0] if isinstance(o, tuple) else o))))
+        real = sw.activation_memory(pm, batch).by_unit
+        ran_real, fake_outputs[:] = list(fake_outputs), []
+        out.append((real, sw.activation_memory(pm, batch, fake=True).by_unit, ran_real, list(fake_outputs)))
+        hook.remove()
     pm = sw.parallelize(_llama(), sw.ParallelConfig(tp=2, sequence_parallel=True), plan="llama")
     with pytest.raises(sw.ConfigError, match=r"fake=True\) under sequence parallelism"):
         sw.activation_memory(pm, batch, fake=True)
+    pm = sw.parallelize(_llama(), sw.ParallelConfig(dp=4))
+    with pytest.raises(sw.CommunicationError, match="activation_memory"):  # ranks measuring differently
+        sw.activation_memory(pm, batch, fake=pm.topology.rank == 0)
     return out
 
 
@@ -136,5 +147,6 @@ def test_fake_tensors_count_what_real_ones_do():
     cases = [{"tp": 2, "zero": 1}, {"tp": 2, "recompute": "full"}, {"pp": 2, "microbatches": 2},
              {"cp": 2, "tp": 2}, {"zero": 3, "recompute": "selective"}, {"tp": 2, "pp": 2, "microbatches": 2}]
     for rank_values in sw.testing.run_on_ranks(_real_and_fake, 4, cases):
-        for config, (real, fake) in zip(cases, rank_values):
+        for config, (real, fake, ran_real, ran_fake) in zip(cases, rank_values):
             assert fake == real, f"{config}: fake {fake} != real {real}"
+            assert not any(ran_real) and all(ran_fake), f"{config}: fake={{False, True}} ran {ran_real}, {ran_fake}"

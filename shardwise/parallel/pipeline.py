@@ -379,8 +379,8 @@ class Pipeline:
         `loss_scale` the loss backward starts from (float16's loss scaler); `reduce="sum"`
         sums the microbatches' losses and gradients instead of averaging them."""
         self._loss_scale, self._parts = loss_scale, self.microbatches if reduce == "mean" else 1
-        microbatch = split_batch(batch, self.microbatches)[0]
-        compiled = self.compiled(microbatch)
+        microbatches = split_batch(batch, self.microbatches)
+        compiled = self.compiled(microbatches[0])
         schedule = self._schedule(compiled, training=True)
         self._begin(compiled, training=True)
         self._sync = sync
@@ -390,7 +390,7 @@ class Pipeline:
         target = weights.repeat_interleave(batch_size(batch) // self.microbatches)  # split like the batch
         try:
             if isinstance(schedule, OrderRunner):
-                schedule.run(split_batch(batch, self.microbatches), lambda i, loss: self._microbatch_loss(loss, weights[i]),
+                schedule.run(microbatches, lambda i, loss: self._microbatch_loss(loss, weights[i]),
                              self.backward_of, self.stage_done, self.stats)
             else:
                 schedule.step(batch=batch, target=target, return_outputs=False)

@@ -52,7 +52,7 @@ class StageLayout:
         return [s for s in range(self.num_stages) if s % self.pp == pp_rank]
 
     def cost(self, stage: int) -> float:
-        return sum(_unit_cost(u, self.units) for u in self.units if self.stage_of[u.path] == stage)
+        return sum(c for u, c in zip(self.units, unit_costs(self.units)) if self.stage_of[u.path] == stage)
 
     def describe(self) -> list[str]:
         return [
@@ -110,10 +110,12 @@ def units_of_program(module: nn.Module, program) -> tuple[list[Unit], list[str]]
     return units, calls
 
 
-def _unit_cost(unit: Unit, units: list[Unit]) -> float:
+def unit_costs(units: list[Unit]) -> list[float]:
+    """Each unit's cost for balancing: its share of the forward FLOPs plus its share of the
+    parameters (the planner predicts the split with the same costs)."""
     total_flops = sum(u.flops for u in units) or 1.0
     total_params = sum(u.params for u in units) or 1.0
-    return unit.flops / total_flops + unit.params / total_params
+    return [u.flops / total_flops + u.params / total_params for u in units]
 
 
 def balance(costs: list[float], holds: list[bool], stages: int) -> list[int]:
@@ -184,7 +186,7 @@ def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program
             "use fewer stages"
         )
     if plan.stages is None:
-        starts = balance([_unit_cost(u, units) for u in units], holds, num_stages)
+        starts = balance(unit_costs(units), holds, num_stages)
     else:
         starts = _manual_starts(plan.stages, units, num_stages)
     stage_of = {}

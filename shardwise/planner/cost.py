@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cluster import Cluster
-from ..plan.stages import balance
+from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
 
 # Fraction of peak FLOP/s a transformer block's matmuls reach at scale; calibrated so that
@@ -171,14 +171,12 @@ def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[
         return spec.layers, spec.layers
     layer_params = sum(spec.layer_params)
     tied = spec.head_params[0] == 0
-    units = ([(sum(spec.embed_params), 0.0, False)]
-             + [(layer_params, 2.0 * layer_params + 4.0 * seq_len * spec.hidden, True)] * spec.layers
-             + [(sum(spec.head_params) + (spec.embed_params[0] if tied else 0), 2.0 * spec.hidden * spec.vocab, False)])
-    total_params = sum(u[0] for u in units) or 1
-    total_flops = sum(u[1] for u in units) or 1.0
-    costs = [params / total_params + flops / total_flops for params, flops, _ in units]
-    starts = balance(costs, [params > 0 for params, _, _ in units], pp * virtual) + [len(units)]
-    blocks = [sum(units[i][2] for i in range(starts[k], starts[k + 1])) for k in range(pp * virtual)]
+    head_params = sum(spec.head_params) + (spec.embed_params[0] if tied else 0)
+    units = ([Unit("embed", sum(spec.embed_params), 0.0)]
+             + [Unit("block", layer_params, 2.0 * layer_params + 4.0 * seq_len * spec.hidden)] * spec.layers
+             + [Unit("head", head_params, 2.0 * spec.hidden * spec.vocab)])
+    starts = balance(unit_costs(units), [u.params > 0 for u in units], pp * virtual) + [len(units)]
+    blocks = [sum(u.path == "block" for u in units[starts[k]:starts[k + 1]]) for k in range(pp * virtual)]
     return sum(blocks[0::pp]), sum(blocks[pp - 1::pp])
 
 
