@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -44,6 +45,28 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     if isinstance(placement, Shard):
         return full.chunk(size, placement.dim)[rank]
     return full
+
+
+def crc32(data: bytes | torch.Tensor) -> int:
+    """CRC-32 of bytes or of a tensor's raw bytes."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)
+
+
+def content_lines(entries: dict[str, Any]) -> list[str]:
+    """One line per entry: key, shape, dtype and the CRC-32 of its bytes (others by repr),
+    sorted; ranks compare these to prove they were given the same values."""
+    lines = []
+    for key in sorted(entries, key=str):
+        value = local(entries[key]) if isinstance(entries[key], torch.Tensor) else entries[key]
+        if isinstance(value, torch.Tensor):
+            lines.append(f"{key}: {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} crc {crc32(value):08x}")
+        elif isinstance(value, dict):
+            lines += [f"{key}/{line}" for line in content_lines(value)]
+        else:
+            lines.append(f"{key}: {value!r}")
+    return lines
 
 
 def is_kv_cache(value: Any) -> bool:

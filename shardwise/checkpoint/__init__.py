@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..state import check_state_dict
 from ..tensors import local
 from .geometry import flat_rects, local_to_global, rect_shape, shift
-from .store import FORMAT, RankWriter, Reader, latest, publish
+from .store import FORMAT, RankWriter, Reader, latest, publish, to_safe_bytes
 
 __all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint"]
 
@@ -65,7 +65,11 @@ def _buffers(pmodel) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None) -> Path:
-    """Save `pmodel` (and `optimizer`, and a picklable `extra`) under directory `path`.
+    """Save `pmodel` (and `optimizer`, and `extra`) under directory `path`.
+
+    `extra` is this rank's own (a data loader's position, say): each rank's is kept and
+    `load_checkpoint` returns each rank its own. It may hold tensors, numbers, strings and
+    containers of them, which load without running code; anything else is refused.
 
     Collective. Atomic: until the save completes, `path` keeps presenting the previous
     checkpoint. A failure on any rank (an unwritable directory, a full disk, a directory
@@ -78,13 +82,24 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
     path = Path(path)
     staging, problem = None, None
     token = uuid.uuid4().int >> 72  # 56 bits: rank 0's names the version
-    if topology.rank == 0:
+    extra_bytes = b""
+    try:
+        extra_bytes = to_safe_bytes(extra, f"save_checkpoint's extra on rank {topology.rank}")
+    except CheckpointError as exc:
+        problem = exc
+    if topology.rank == 0 and problem is None:
         staging = path / f"v-{token:014x}.tmp"
         problem = _attempt(lambda: staging.mkdir(parents=True), f"cannot create checkpoint directory {str(staging)!r}")
-    agreement = coordinator.agree("save_checkpoint", problem, value=token)
+    try:
+        agreement = coordinator.agree("save_checkpoint", problem, value=token)
+    except CheckpointError:
+        if staging is not None:
+            _discard(topology, staging)
+        raise
     staging = path / f"v-{agreement.values()[0]:014x}.tmp"
     with coordinator.body("save_checkpoint"):
         writer = _collect(pmodel, optimizer)
+        writer.add_raw("extra", torch.frombuffer(bytearray(extra_bytes), dtype=torch.uint8))
         problem = None
         if not staging.is_dir():
             problem = CheckpointError(f"rank {topology.rank} does not see {str(staging)!r}, which rank 0 created: "
@@ -112,7 +127,7 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
         }
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         scaler = getattr(optimizer, "loss_scaler", None)
-        saved = {"param_groups": hyper, "extra": extra, "loss_scaler": scaler.state_dict() if scaler else None}
+        saved = {"param_groups": hyper, "loss_scaler": scaler.state_dict() if scaler else None}
         problem = _attempt(lambda: publish(path, staging, meta, saved),
                            f"cannot publish the checkpoint in {str(path)!r}")
     try:
@@ -219,6 +234,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         _check_same_model(reader, pmodel, optimizer)
         reader.validate(range(topology.rank, reader.meta["world_size"], topology.world_size))  # each file, by one rank
         _stage(reader, pmodel, optimizer, staged, states)
+        extra = reader.extra(topology.rank, topology.world_size)
     except CheckpointError as exc:
         problem = exc
     topology.coordinator.agree("load_checkpoint", problem)
@@ -237,7 +253,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         pmodel.steps = reader.meta["steps"]
         if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
             _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
-    return reader.saved["extra"]
+    return extra
 
 
 def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> None:
@@ -290,6 +306,25 @@ def _check_same_model(reader: Reader, pmodel, optimizer) -> None:
         raise CheckpointError(f"checkpoint {str(reader.version)!r} is from another model: shapes differ ({wrong[:4]})")
     if optimizer is not None and not reader.meta["optimizer"]:
         raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state; load it with optimizer=None")
+    if optimizer is not None:
+        _check_same_groups(reader, _group_names(pmodel, optimizer))
+
+
+def _check_same_groups(reader: Reader, groups: list[list[str]]) -> None:
+    """The optimizer's parameter groups hold the parameters they held when saved (as torch's
+    own `load_state_dict` insists): hyper-parameters are restored group by group."""
+    saved = len(reader.saved["param_groups"])
+    if saved != len(groups):
+        raise CheckpointError(f"checkpoint {str(reader.version)!r} was saved with {saved} optimizer parameter "
+                              f"group(s) and this optimizer has {len(groups)}: build the optimizer with the same "
+                              "groups, or load with optimizer=None")
+    for i, names in enumerate(groups):
+        held = {n for entry in reader.ranks.values() for n in entry["groups"][i]}
+        moved = sorted(set(names) - held)
+        if moved:
+            raise CheckpointError(f"checkpoint {str(reader.version)!r}: optimizer parameter group {i} now holds "
+                                  f"{moved[:4]}, which were in another group when saved; build the optimizer "
+                                  "with the same groups, or load with optimizer=None")
 
 
 def _restore_rng(reader: Reader, rank: int) -> None:

@@ -6,8 +6,9 @@
         COMPLETE                  written last: the version is whole; holds shardwise.json's CRC-32
         shardwise.json            format, config, plan, layout, keys and their shapes, the
                                   CRC-32 of meta.pt and of every rank-<r>.json
-        meta.pt                   optimizer hyper-parameters and the caller's `extra`
-        rank-<r>.safetensors      the chunks rank r owns (each tensor region written once)
+        meta.pt                   optimizer hyper-parameters and the loss scale
+        rank-<r>.safetensors      the chunks rank r owns (each tensor region written once), its
+                                  random state and its `extra` (as bytes)
         rank-<r>.json             their index: key -> [(tensor name, rectangle, CRC-32 of its bytes)]
 
 A save writes `v-<id>.tmp/`, renames it to `v-<id>/` once every rank has written, then
@@ -15,10 +16,17 @@ points LATEST at it with `os.replace`; a crash at any moment leaves LATEST on th
 complete version. A load reads only the byte ranges it needs (safetensors slices); every
 chunk's checksum is verified once (`Reader.validate`), so a flipped byte anywhere is refused
 with the file and the tensor it belongs to, by load and merge alike.
+
+Nothing read here can execute code: the checksums are plain data anyone who can write the
+directory can recompute, so they guard against damage, not against an attacker. Pickled
+objects (meta.pt, each rank's `extra`) are read with `torch.load(weights_only=True)`, whose
+unpickler builds only tensors, numbers, strings and containers; the same check runs at save
+time, so what a save accepts is what a load can read.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -31,17 +39,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..tensors import crc32
 from .geometry import Rect, intersect, rect_shape, shift
 
-FORMAT = 2
+FORMAT = 3  # 3: each rank's extra in its own file; meta.pt read with weights_only
 LATEST, COMPLETE, META = "LATEST", "COMPLETE", "shardwise.json"
-
-
-def crc32(data: bytes | torch.Tensor) -> int:
-    """CRC-32 of bytes or of a tensor's raw bytes."""
-    if isinstance(data, torch.Tensor):
-        data = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data)
 
 
 class RankWriter:
@@ -75,6 +77,30 @@ class RankWriter:
         return zlib.crc32(text.encode())
 
 
+def to_safe_bytes(value: Any, what: str) -> bytes:
+    """`value` pickled, or a CheckpointError if a weights_only load could not read it back."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        from_safe_bytes(buffer.getvalue(), what)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pickling any object can fail in any way
+        raise CheckpointError(f"{what} cannot be saved ({type(exc).__name__}: {exc})") from exc
+    return buffer.getvalue()
+
+
+def from_safe_bytes(data: bytes, what: str) -> Any:
+    """Unpickle with torch's weights_only loader: only tensors, numbers, strings and containers."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler refuses in many ways
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{what} holds something other than tensors, numbers, strings, lists and dicts, which "
+                              f"a checkpoint may not contain (they could run code when loaded): {first}. Keep to "
+                              "those types, e.g. store a class's state_dict() rather than the object") from exc
+
+
 def latest(path: Path) -> Path:
     """The newest complete version under `path`; `CheckpointError` if there is none."""
     pointer = path / LATEST
@@ -95,7 +121,7 @@ def publish(path: Path, staging: Path, meta: dict[str, Any], saved: dict[str, An
 
     `meta["files"]` holds every rank index's CRC-32; meta.pt's is added here, and
     shardwise.json's goes into COMPLETE, so every byte of the version is covered."""
-    torch.save(saved, staging / "meta.pt")
+    (staging / "meta.pt").write_bytes(to_safe_bytes(saved, "the optimizer's hyper-parameters"))
     meta = dict(meta, meta_crc=zlib.crc32((staging / "meta.pt").read_bytes()))
     text = json.dumps(meta, indent=1)
     (staging / META).write_text(text)
@@ -132,8 +158,8 @@ class Reader:
                                   f"reads {FORMAT}; it was written by another version of shardwise")
         try:
             self._verified("meta.pt", self.meta["meta_crc"])
-            self.saved = torch.load(version / "meta.pt", weights_only=False)
-        except (OSError, ValueError, RuntimeError, KeyError, EOFError) as exc:
+            self.saved = from_safe_bytes((version / "meta.pt").read_bytes(), f"checkpoint {str(version)!r}: meta.pt")
+        except (OSError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {str(version)!r} is corrupt: cannot read meta.pt ({exc})") from None
         self.chunks: dict[str, list[tuple[int, str, Rect, int]]] = {}
         self.keys: dict[str, dict[str, Any]] = {}
@@ -214,6 +240,19 @@ class Reader:
                 if crc32(data) != crc:
                     raise CheckpointError(f"{where} is corrupt: chunk {name} of {key!r} does not match its checksum "
                                           "(the file was changed or damaged after it was written)")
+
+    def extra(self, rank: int, world_size: int) -> Any:
+        """The `extra` that saving rank `rank` passed; across a change of world size, the one every
+        saving rank passed (a CheckpointError if they differed, since no rank's is the right one)."""
+        blobs = [self.rank_tensor(r, "extra") for r in range(self.meta["world_size"])]
+        if world_size != self.meta["world_size"]:
+            if any(not torch.equal(b, blobs[0]) for b in blobs[1:]):
+                raise CheckpointError(
+                    f"checkpoint {str(self.version)!r} holds a different `extra` per rank from "
+                    f"{self.meta['world_size']} ranks and this run has {world_size}: no rank's is the right one. "
+                    "Load with the saving world size, or save an `extra` that is the same on every rank")
+            rank = 0
+        return from_safe_bytes(blobs[rank].numpy().tobytes(), f"checkpoint {str(self.version)!r}: rank {rank}'s extra")
 
     def rank_tensor(self, rank: int, name: str) -> torch.Tensor | None:
         """A tensor stored with `RankWriter.add_raw` by `rank` (validated), or None."""

@@ -273,7 +273,12 @@ class Plan:
             path = Path(text)
             if not path.is_file():
                 raise PlanError(f"plan file {str(path)!r} does not exist")
-            text = path.read_text()
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise PlanError(f"plan file {str(path)!r} is not JSON text (it holds binary data)") from None
+            except OSError as exc:
+                raise PlanError(f"plan file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
