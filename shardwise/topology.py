@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from datetime import timedelta
 from typing import Iterable
 
@@ -32,13 +33,16 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest-varying first
 def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(minutes=3)) -> None:
     """Initialize torch.distributed once; later calls do nothing.
 
-    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-    Without it, starts a world of one process. The backend is NCCL for CUDA tensors (with
-    gloo beside it for the small CPU messages ranks agree with) when CUDA is available, gloo
-    otherwise, unless `backend` names one.
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+    or, without it, that of SLURM's `srun` (`slurm_environment`). Without either, starts a
+    world of one process. The backend is NCCL for CUDA tensors (with gloo beside it for the
+    small CPU messages ranks agree with) when CUDA is available, gloo otherwise, unless
+    `backend` names one.
     """
     if dist.is_initialized():
         return
+    if "RANK" not in os.environ:
+        os.environ.update(slurm_environment(os.environ))
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -46,6 +50,34 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def slurm_environment(environ: dict[str, str]) -> dict[str, str]:
+    """torchrun's variables for a task that `srun` started, or {} outside an srun step.
+
+    srun sets SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS per task (a batch script
+    itself has no step task count, so `python train.py` there stays a world of one). The
+    first node of the step's node list hosts the rendezvous unless MASTER_ADDR is set; the
+    port is derived from the job id unless MASTER_PORT is set, so concurrent jobs differ.
+    """
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return {}
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    job = environ.get("SLURM_JOB_ID", "0")
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0],
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodes),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(job) % 20000 if job.isdigit() else 29500),
+    }
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    prefix, ranges, suffix = re.match(r"([^\[,]*)(?:\[([^\]]*)\])?([^,\[]*)", nodelist).groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "") + suffix
 
 
 def backend_device() -> torch.device:

@@ -90,3 +90,48 @@ def test_real_groups_match_layout(config):
             assert rank in ranks
             assert total == float(sum(want))
         assert res["mesh_tp"] == res["groups"][("tp",)][0]
+
+
+def test_slurm_environment_maps_to_torchrun_variables():
+    from shardwise.topology import first_host, slurm_environment
+
+    assert slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == {}  # a batch script, not an srun task
+    env = slurm_environment({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
+                             "SLURM_STEP_NODELIST": "gpu[07-09,12],cpu1", "SLURM_JOB_ID": "123456",
+                             "SLURM_STEP_TASKS_PER_NODE": "2(x4)"})
+    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert slurm_environment({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "MASTER_ADDR": "h",
+                              "MASTER_PORT": "7"})["MASTER_ADDR"] == "h"
+    assert [first_host(x) for x in ("node1,node2", "n[1-2]x", "solo")] == ["node1", "n1x", "solo"]
+
+
+SLURM_TASK = """
+import torch, torch.distributed as dist, shardwise as sw
+sw.init_distributed()
+t = torch.ones(1)
+dist.all_reduce(t)
+print(dist.get_rank(), dist.get_world_size(), int(t))
+"""
+
+
+def test_srun_tasks_form_one_world():
+    """Two processes started as srun starts them (SLURM_* only, no torchrun variables) form a
+    world of two; before, each trained alone at world size 1."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    procs = [subprocess.Popen([sys.executable, "-c", SLURM_TASK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                                              "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
+                                              "SLURM_JOB_ID": "1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sorted(out.split()[:3] for out, _ in outputs) == [["0", "2", "2"], ["1", "2", "2"]], outputs
