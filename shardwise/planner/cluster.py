@@ -8,6 +8,7 @@ between nodes (per GPU, one direction, bytes/s). Any of them can be overridden:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -57,13 +58,22 @@ class Cluster:
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r} is not in the planner's table; use one of {', '.join(DEVICES)} "
                               "and override memory_bytes / peak_flops / *_bw for another")
-        if not isinstance(self.gpus, int) or self.gpus < 1:
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 1:
             raise ConfigError(f"gpus={self.gpus!r} must be a positive integer")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+        if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 1:
             raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} must be a positive integer")
+        overrides = {k: getattr(self, k) for k in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw")}
+        for name, value in overrides.items():
+            if value is not None and not _positive(value):
+                raise ConfigError(f"{name}={value!r} must be a positive finite number (or None for the "
+                                  f"{self.device!r} table's value)")
+        if not _positive(self.memory_fraction) or self.memory_fraction > 1:
+            raise ConfigError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]: the share of each "
+                              "device's memory a run may use (0.9 leaves 10% to the runtime)")
         base = DEVICES[self.device]
-        spec = Device(base.name, self.memory_bytes or base.memory_bytes, self.peak_flops or base.peak_flops,
-                      self.intra_node_bw or base.intra_node_bw, self.inter_node_bw or base.inter_node_bw)
+        spec = Device(base.name, *(base_value if overrides[k] is None else float(overrides[k])
+                                   for k, base_value in zip(overrides, (base.memory_bytes, base.peak_flops,
+                                                                        base.intra_node_bw, base.inter_node_bw))))
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         object.__setattr__(self, "spec", spec)
@@ -87,3 +97,8 @@ class Cluster:
             ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else os.cpu_count() or 1
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(gpus=ranks, gpus_per_node=ranks, device="local", memory_bytes=total / ranks)
+
+
+def _positive(value) -> bool:
+    """A real number (not a bool) above zero and finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

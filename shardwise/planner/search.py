@@ -188,7 +188,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     """
     start = time.perf_counter()
     spec = model_spec(model)
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ConfigError(f"seq_len={seq_len!r} must be a positive number of tokens per sequence")
     if spec.max_seq is not None and seq_len > spec.max_seq:
         raise ConfigError(f"seq_len={seq_len} exceeds {spec.name}'s {spec.max_seq} learned positions")
@@ -199,7 +199,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     if (global_batch is None) == (replica_batch is None):
         raise ConfigError("give exactly one of global_batch (or global_tokens) and replica_batch")
     for name, value in (("global_batch", global_batch), ("replica_batch", replica_batch)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{name}={value!r} must be a positive integer number of sequences")
     dtypes = dtypes or ((4,) if cluster.device == "local" else (2, 4))
     groups = _factorizations(spec, cluster, seq_len, context_parallel)
