@@ -45,7 +45,7 @@ from .errors import CommunicationError, ShardwiseError
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
               "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
               "scale_grads", "finish_gradient_sync", "agree", "optimizer.full_state_dict",
-              "optimizer.load_full_state_dict", "activation_memory", "activation_memory(fake=True)")
+              "optimizer.load_full_state_dict", "activation_memory", "activation_memory(fake=True)", "state_dict")
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
@@ -65,7 +65,9 @@ class AgreedError(ShardwiseError):
 
 @functools.lru_cache(maxsize=None)
 def _agreed_class(cls: type[ShardwiseError]) -> type[ShardwiseError]:
-    return type(cls.__name__, (cls, AgreedError), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    # ShardwiseError itself: (ShardwiseError, AgreedError) has no consistent order, AgreedError alone is one
+    bases = (AgreedError,) if issubclass(AgreedError, cls) else (cls, AgreedError)
+    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _agreed(cls: type[ShardwiseError], message: str) -> ShardwiseError:

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from . import report, state
 from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
 from .coordination import Fingerprint, _agreed, fingerprint_of
-from .errors import BatchError, ConfigError, ModelError, PlanError, ShardwiseError
+from .errors import BatchError, CheckpointError, ConfigError, ModelError, PlanError, ShardwiseError
 from .groups import running
 from .parallel.buffers import BufferBroadcast
 from .parallel.context import ContextParallel
@@ -230,28 +230,41 @@ class ParallelModule(nn.Module):
                     loss = loss * step.loss_weights[i]
                 if reduce == "tokens":
                     counts.append(tokens_of(out).to(loss.device))
-                    loss = loss * counts[-1]
+                    loss = loss * counts[-1]  # its gradient is 0 where the count is (a mean over no tokens is NaN)
                 if keep:
                     kept.append(detached(out))
-                losses.append(loss.detach())
+                losses.append(loss.detach() if reduce != "tokens" else torch.where(counts[-1] > 0, loss.detach(), 0.0))
                 stacked = torch.stack(losses).float()
                 local = stacked.mean() if reduce == "mean" else stacked.sum()
                 if i == parts - 1:  # averaged over replicas along with the gradients
                     if reduce == "tokens":
-                        tokens = self._token_totals(local, torch.stack(counts).sum())
+                        tokens = self._token_totals(local, torch.stack(counts))
                     gradients.loss(local)
                 scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
                 (scaled / parts if reduce == "mean" and parts > 1 else scaled).backward()
         return local, kept, tokens
 
-    def _token_totals(self, weighted: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_totals(self, weighted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ loss·n, Σ n) over every replica; the gradients, which hold Σ n·∇loss, are
         weighted replicas/Σn so that their mean over replicas is ∇(Σ loss·n / Σ n)."""
-        totals = torch.stack([weighted.float(), count.float()]).to(self.topology.device)
+        bad = (~torch.isfinite(counts) | (counts < 0)).sum()
+        totals = torch.stack([weighted.float(), counts.sum().float(), bad.float()]).to(self.topology.device)
         replicas = self.topology.size("dp")
         if replicas > 1:
             dp = self.topology.group("dp")
             self.coordinator.wait(dist.all_reduce(totals, group=dp, async_op=True), "train_step: token counts", dp)
+        if self.topology.size("tp") > 1:  # peers must weigh alike, or replicated parameters drift apart
+            spread = torch.stack([totals[1], -totals[1]])
+            tp = self.topology.group("tp")
+            self.coordinator.wait(dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=tp, async_op=True),
+                                  "train_step: token counts over tp", tp)
+            if float(spread[0]) != -float(spread[1]):
+                raise _agreed(ModelError, f"train_step(reduce='tokens'): tensor-parallel peers counted different "
+                                          f"token totals ({-float(spread[1]):g} to {float(spread[0]):g}); count tokens "
+                                          "from the batch (e.g. labels != -100), not from sharded activations")
+        if float(totals[2]) > 0:
+            raise _agreed(ModelError, f"train_step(reduce='tokens'): {int(totals[2])} microbatch(es) returned a negative "
+                                      "or non-finite num_tokens; return the count of tokens the loss averages over")
         if float(totals[1]) <= 0:
             raise _agreed(ModelError, f"train_step(reduce='tokens'): the step's batches hold {float(totals[1]):g} tokens in all; "
                              "the loss is a mean over tokens, so there must be some")
@@ -341,6 +354,42 @@ class ParallelModule(nn.Module):
         hold it (copies: later steps do not change them); parameters without a gradient are
         absent. Collective, like `full_state_dict`."""
         return state.full_grad_dict(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """nn.Module's state dict (keys under `module.`, tensor-parallel parameters as
+        DTensors, a pipeline rank's own stages). Under ZeRO-3 the parameters are gathered
+        whole and copied first, so there it is collective (every rank calls it, as FSDP's
+        full state dict); a torch.save of it reads back. Plain keys: `full_state_dict()`."""
+        keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+        if self.param_shards is None or keep_vars:
+            return super().state_dict(*args, **kwargs)
+        with self.coordinator.operation("state_dict"), self.whole_parameters():
+            out = super().state_dict(*args, **kwargs)
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            for key, value in out.items():
+                if key.startswith(prefix) and isinstance(value, torch.Tensor):
+                    out[key] = value.clone()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load what `state_dict()` returned (keys under `module.`): collective, checked on
+        every rank first, and kept consistent with ZeRO's shards and master copies (which a
+        plain nn.Module load would silently leave as they were)."""
+        if assign:
+            raise CheckpointError("load_state_dict(assign=True) would replace parameters that shardwise's buckets "
+                                  "and shards view; load with assign=False")
+        if not isinstance(state_dict, dict):
+            raise CheckpointError(f"a state dict maps names to tensors; got {type(state_dict).__name__}")
+        plain = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        own = set(self.module.state_dict(keep_vars=True))
+        missing, unexpected = sorted(own - set(plain)), sorted(set(plain) - set(self.index.state_shapes))
+        problem = None
+        if strict and (missing or unexpected):
+            problem = CheckpointError(f"state dict does not match this rank's part of {type(self.module).__name__}: "
+                                      f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; pass this "
+                                      "model's state_dict() or strict=False")
+        state.load_full_state_dict(self, plain, strict=False, problem=problem)
+        return nn.modules.module._IncompatibleKeys([f"module.{k}" for k in missing], [f"module.{k}" for k in unexpected])
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a plain state dict (as `full_state_dict` returns): each rank keeps its shards.

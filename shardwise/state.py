@@ -16,8 +16,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .comm import broadcast_tensors
+from .coordination import Fingerprint, fingerprint_of
 from .errors import CheckpointError
-from .tensors import local, shard_of
+from .tensors import content_lines, local, shard_of
 
 if TYPE_CHECKING:
     from .module import ParallelModule
@@ -88,18 +89,33 @@ def _gather_stages(pmodel: "ParallelModule", own: dict[str, torch.Tensor], keys:
 
 
 @torch.no_grad()
-def load_full_state_dict(pmodel: "ParallelModule", state_dict: dict[str, torch.Tensor], strict: bool) -> None:
+def load_full_state_dict(pmodel: "ParallelModule", state_dict: dict[str, torch.Tensor], strict: bool,
+                         problem: CheckpointError | None = None) -> None:
+    """Each rank copies its shards of `state_dict` (whole tensors, or DTensors placed as the
+    model's); `problem` is a refusal the caller found already."""
     own = pmodel.module.state_dict()
-    problem = None
+    whole, shards = ["(a state dict this rank refused)"], []
     try:
-        check_state_dict(pmodel, state_dict, strict)
+        if problem is None:
+            check_state_dict(pmodel, state_dict, strict)
+            loaded = own.keys() & state_dict.keys()
+            whole = content_lines({k: state_dict[k] for k in loaded if not isinstance(state_dict[k], DTensor)})
+            shards = content_lines({k: state_dict[k] for k in loaded if isinstance(state_dict[k], DTensor)})
     except CheckpointError as exc:
         problem = exc
-    with pmodel.coordinator.operation("load_full_state_dict", problem):
+    hint = ("every rank must load the same state dict (ranks holding the same {} were given different values): "
+            "read the same file on every rank")
+    same = [Fingerprint(fingerprint_of(whole), lambda: whole, CheckpointError, hint.format("pipeline stage"),
+                        peers=pmodel.topology.peer_groups("dp", "cp", "tp")),
+            Fingerprint(fingerprint_of(shards), lambda: shards, CheckpointError, hint.format("tensor-parallel shard"),
+                        peers=pmodel.topology.peer_groups("dp", "cp"))]
+    with pmodel.coordinator.operation("load_full_state_dict", problem, fingerprints=same):
         with pmodel.whole_parameters():
             for key in own.keys() & state_dict.keys():  # entries of this rank's stages
                 target, value = own[key], state_dict[key]
-                if isinstance(target, DTensor):
+                if isinstance(value, DTensor):  # this rank's shard, placed as the target's (checked)
+                    value = local(value)
+                elif isinstance(target, DTensor):
                     mesh = target.device_mesh
                     value = shard_of(value, target.placements[0], mesh.get_local_rank(), mesh.size())
                 local(target).copy_(value)
@@ -117,7 +133,16 @@ def check_state_dict(pmodel: "ParallelModule", state_dict: Any, strict: bool) ->
             f"state dict does not match {type(pmodel.module).__name__}: missing keys {missing[:8]}, "
             f"unexpected keys {unexpected[:8]}; pass a state dict of the same model or strict=False"
         )
+    own = pmodel.module.state_dict()
     for key in expected.keys() & state_dict.keys():
+        value = state_dict[key]
+        if isinstance(value, DTensor) and key in own:
+            target = own[key]
+            placements = target.placements if isinstance(target, DTensor) else None
+            if placements != value.placements or target.device_mesh.mesh.tolist() != value.device_mesh.mesh.tolist():
+                raise CheckpointError(f"state dict entry {key!r} is a DTensor placed {value.placements}, the model's "
+                                      f"is {'a plain tensor' if placements is None else placements}: pass whole "
+                                      "tensors (pmodel.full_state_dict()) or this model's own state_dict()")
         if expected[key] != tuple(state_dict[key].shape):
             raise CheckpointError(
                 f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)} "

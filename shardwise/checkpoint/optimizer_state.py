@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..coordination import Fingerprint, fingerprint_of
 from ..errors import CheckpointError
-from ..tensors import local
+from ..tensors import content_lines, local
 
 
 def _group_names(pmodel, optimizer) -> list[list[str]]:
@@ -113,31 +114,47 @@ def _checked(pmodel, state_dict: Any, names: list[list[str]]) -> dict[str, Any]:
         raise CheckpointError(f"optimizer state's parameter groups {[g[:3] for g in given]} differ from this "
                               f"optimizer's {[n[:3] for n in names]}: build it with the same groups, in module order")
     shapes = pmodel.index.state_shapes
+    state = {}
     for name, entry in state_dict["state"].items():
         if name not in shapes or not isinstance(entry, dict):
             raise CheckpointError(f"optimizer state for {name!r}, which is not a parameter of this model "
                                   "(or whose state is not a dict of tensors)")
+        entry = state[name] = {k: _as_tensor(name, k, v) for k, v in entry.items()}
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(shapes[name]):
                 raise CheckpointError(f"optimizer state {name}/{key} has shape {tuple(value.shape)}, the parameter "
                                       f"{tuple(shapes[name])}")
-    return state_dict
+    return {**state_dict, "state": state}
+
+
+def _as_tensor(name: str, key: str, value: Any) -> torch.Tensor:
+    """A state value as a tensor: numbers (a `step` saved as a float) become float32 scalars,
+    as torch's optimizers keep them."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float32)
+    raise CheckpointError(f"optimizer state {name}/{key} is a {type(value).__name__}; shardwise loads tensor state "
+                          "(and numbers, as torch's optimizers do)")
 
 
 def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
     """Give every piece of `optimizer` its part of the whole state `state_dict` (collective)."""
     from . import _like, _part, _pieces, _regions
 
-    problem, checked = None, None
+    problem, checked, lines = None, None, ["(an optimizer state this rank refused)"]
     names = _group_names(pmodel, optimizer)  # collective: before anything that may raise on one rank
     try:
         checked = _checked(pmodel, state_dict, names)
+        lines = content_lines({"state": checked["state"], "param_groups": dict(enumerate(checked["param_groups"]))})
     except CheckpointError as exc:
         problem = exc
     except (KeyError, TypeError, AttributeError, ValueError) as exc:  # malformed: refused on every rank alike
         problem = CheckpointError(f"the optimizer state dict is malformed ({type(exc).__name__}: {exc}); give "
                                   "optimizer.full_state_dict()'s form or torch's optimizer.state_dict()")
-    pmodel.coordinator.agree("optimizer.load_full_state_dict", problem)
+    pmodel.coordinator.agree("optimizer.load_full_state_dict", problem, fingerprints=[Fingerprint(
+        fingerprint_of(lines), lambda: lines, CheckpointError,
+        "every rank must load the same optimizer state: read the same file on every rank")])
     with pmodel.coordinator.body("optimizer.load_full_state_dict"), torch.no_grad():
         for name, piece in _pieces(pmodel):
             entry, mine = checked["state"].get(name, {}), {}
