@@ -66,16 +66,21 @@ def detached(output: Any) -> Any:
 
 
 def concatenated(outputs: list[Any]) -> Any:
-    """The microbatches' outputs as one: tensors concatenated along dim 0, 0-dim ones
-    (a loss) averaged, other values those of the first microbatch."""
+    """The microbatches' outputs as one: tensors concatenated along dim 0, 0-dim floating
+    ones (a loss) averaged, integer counts (0-dim integer tensors, ints) summed, other values
+    those of the first microbatch."""
     flat = [tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     merged = []
     for values in zip(*(leaves for leaves, _ in flat)):
         first = values[0]
-        if isinstance(first, torch.Tensor):
-            merged.append(torch.stack(values).float().mean().to(first.dtype) if first.dim() == 0
-                          else torch.cat(values))
+        if isinstance(first, torch.Tensor) and first.dim() == 0:
+            stacked = torch.stack(values)
+            merged.append(stacked.float().mean().to(first.dtype) if first.is_floating_point() else stacked.sum())
+        elif isinstance(first, torch.Tensor):
+            merged.append(torch.cat(values))
+        elif isinstance(first, int) and not isinstance(first, bool):
+            merged.append(sum(values))
         else:
             merged.append(first)
     return tree_unflatten(merged, spec)

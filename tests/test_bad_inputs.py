@@ -347,8 +347,33 @@ BATCHES = {
     "tuple loss is fine": Case(lambda: float(_train_tuple(torch.randn(8, 4))), None, check=lambda v: v > 0),
 }
 
+
+def cluster(**kwargs):
+    return lambda: sw.Cluster(**{"gpus": 8, **kwargs})
+
+
+def search(**kwargs):
+    return lambda: sw.plan.search("llama3-8b", sw.Cluster(gpus=8), **{"global_batch": 8, "seq_len": 2048, **kwargs})
+
+
+PLANNER = {  # each was accepted and planned nonsense before (issue 26)
+    "memory_bytes zero": Case(cluster(memory_bytes=0), "ConfigError", "memory_bytes=0 must be a positive finite"),
+    "memory_bytes negative": Case(cluster(memory_bytes=-1), "ConfigError", "memory_bytes=-1 must be a positive"),
+    "memory_fraction above one": Case(cluster(memory_fraction=50), "ConfigError", "memory_fraction=50 must be in (0, 1]"),
+    "memory_fraction zero": Case(cluster(memory_fraction=0), "ConfigError", "memory_fraction=0 must be in (0, 1]"),
+    "peak_flops negative": Case(cluster(peak_flops=-1e15), "ConfigError", "peak_flops=-1000000000000000.0 must be a positive"),
+    "peak_flops nan": Case(cluster(peak_flops=float("nan")), "ConfigError", "peak_flops=nan must be a positive"),
+    "bandwidth inf": Case(cluster(inter_node_bw=float("inf")), "ConfigError", "inter_node_bw=inf must be a positive"),
+    "bandwidth bool": Case(cluster(intra_node_bw=True), "ConfigError", "intra_node_bw=True must be a positive"),
+    "gpus bool": Case(cluster(gpus=True), "ConfigError", "gpus=True must be a positive integer"),
+    "seq_len bool": Case(search(seq_len=True), "ConfigError", "seq_len=True must be a positive number"),
+    "global_batch bool": Case(search(global_batch=True), "ConfigError", "global_batch=True must be a positive integer"),
+    "override kept": Case(lambda: sw.Cluster(gpus=8, memory_bytes=40e9).spec.memory_bytes, None, check=lambda v: v == 40e9),
+}
+
 SINGLE = {**{f"config: {k}": v for k, v in CONFIG.items()}, **{f"plan: {k}": v for k, v in PLANS.items()},
-          **{f"model: {k}": v for k, v in MODELS.items()}, **{f"batch: {k}": v for k, v in BATCHES.items()}}
+          **{f"model: {k}": v for k, v in MODELS.items()}, **{f"batch: {k}": v for k, v in BATCHES.items()},
+          **{f"planner: {k}": v for k, v in PLANNER.items()}}
 
 
 @pytest.mark.parametrize("name", list(SINGLE))
@@ -423,6 +448,51 @@ def _collective_on_rank_zero(method: str):
 def _state_dict_on_rank_zero():
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
     return pm.load_full_state_dict(make_gpt(1).state_dict() if _rank() == 0 else {})
+
+
+def _given_by_rank(kind: str):
+    """Ranks handed different values to load: each kept its own half before (issue 26)."""
+    r = _rank()
+    pm = _gpt_tp() if kind.startswith("tp") else sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=1))
+    if kind.endswith("state dict"):
+        return pm.load_full_state_dict(make_gpt(r).state_dict())
+    if kind.endswith("own state_dict"):
+        mine = pm.state_dict()
+        if r == 1:
+            mine = {k: v * 2 for k, v in mine.items()}
+        return pm.load_state_dict(mine)
+    model = make_gpt(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (1 + r))
+    model(gpt_batches(1, 4)[0]).backward()
+    opt.step()
+    state = opt.state_dict()
+    if kind.endswith("float step"):  # torch's loader accepts a number; so do we
+        for entry in state["state"].values():
+            entry["step"] = float(entry["step"])
+        state["param_groups"][0]["lr"] = 1e-3
+    popt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    popt.load_full_state_dict(state)
+    return "loaded"
+
+
+class _Counting(nn.Module):
+    """(mean loss, num_tokens) with the count computed as `count(rank, step)` says."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.count, self.calls = count, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x).pow(2).mean(), self.count(_rank(), self.calls)
+
+
+def _tokens(count, tp: int = 1, steps: int = 3):
+    pm = sw.parallelize(_Counting(count), sw.ParallelConfig(tp=tp, microbatches=2), plan=sw.Plan(name="none"))
+    for _ in range(steps):
+        pm.train_step(torch.ones(4, 4), reduce="tokens")
+    return "trained"
 
 
 def _peers_given(kind: str):
@@ -504,6 +574,25 @@ RANKS2 = {
                                                "call each on every rank")
        for m in ("full_state_dict", "clip_grad_norm", "optimizer.step", "full_grad_dict")},
     "state dict given on rank 0 only": Case(_state_dict_on_rank_zero, "CheckpointError", "found on rank 1"),
+    "tp ranks given different state dicts": Case(lambda: _given_by_rank("tp state dict"), "CheckpointError",
+                                                 "were given different values"),
+    "replicas given different state dicts": Case(lambda: _given_by_rank("dp state dict"), "CheckpointError",
+                                                 "were given different values"),
+    "tp ranks given different own state_dict": Case(lambda: _given_by_rank("tp own state_dict"), "CheckpointError",
+                                                    "were given different values"),
+    "replicas given different optimizer states": Case(lambda: _given_by_rank("dp optimizer"), "CheckpointError",
+                                                      "every rank must load the same optimizer state"),
+    "optimizer state with a float step": Case(lambda: _given_by_rank("dp optimizer float step"), None,
+                                              check=lambda v: v == "loaded"),
+    "tokens: a negative count": Case(lambda: _tokens(lambda r, i: -3 if r == 1 else 3), "ModelError",
+                                     "returned a negative or non-finite num_tokens"),
+    "tokens: a NaN count": Case(lambda: _tokens(lambda r, i: float("nan") if i == 4 else 3), "ModelError",
+                                "returned a negative or non-finite num_tokens"),
+    "tokens: tp peers count differently on a later step": Case(
+        lambda: _tokens(lambda r, i: 3 + (r if i > 2 else 0), tp=2), "ModelError",
+        "tensor-parallel peers counted different token totals"),
+    "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
+                                               check=lambda v: v == "trained"),
 }
 RANKS4 = {
     "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
@@ -584,9 +673,22 @@ def _load(key: str, optimizer: bool = True, **overrides):
     return sw.load_checkpoint(CONTEXT[key], pm, opt if optimizer else None)
 
 
-def _save(path: str):
+def _save(path: str, extra: Any = None):
     pm, opt = _ckpt_model()
-    return sw.save_checkpoint(path, pm, opt)
+    return sw.save_checkpoint(path, pm, opt, extra=extra)
+
+
+def _load_into_groups(key: str, split: str):
+    """The 'good' checkpoint (one SGD group) into an optimizer with two groups."""
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
+    named = list(pm.named_parameters())
+    if split == "two groups":
+        groups = [{"params": [p for n, p in named if "wte" in n]}, {"params": [p for n, p in named if "wte" not in n],
+                                                                    "lr": 0.5}]
+    else:
+        groups = [{"params": [p for n, p in named]}]
+    opt = sw.build_optimizer(pm, torch.optim.SGD, params=groups, **SGD)
+    return sw.load_checkpoint(CONTEXT[key], pm, opt)
 
 
 def _after_failures_training_goes_on():
@@ -626,6 +728,13 @@ CHECKPOINTS = {
     "plain state dict of another model": Case(lambda: _load("other-state-dict"), "CheckpointError",
                                               "state dict does not match GPT"),
     "training goes on after failures": Case(_after_failures_training_goes_on, None, check=lambda v: v > 0),
+    "optimizer with more groups than saved": Case(lambda: _load_into_groups("good", "two groups"), "CheckpointError",
+                                                  "saved with 1 optimizer parameter group(s) and this optimizer has 2"),
+    "optimizer with the saved group": Case(lambda: _load_into_groups("good", "one group"), None),
+    "extra holding an object": Case(lambda: _save(CONTEXT["fresh"], extra={"sampler": Case(None, None)}),
+                                    "CheckpointError", "may not contain"),
+    "extra that cannot be pickled": Case(lambda: _save(CONTEXT["fresh"], extra={"fn": lambda: 0}), "CheckpointError",
+                                         "cannot be saved"),
 }
 
 

@@ -47,14 +47,14 @@ def logits_model() -> TokenModel:
     return TokenModel(False)
 
 
-def token_batches(masked: bool) -> list[dict]:
+def token_batches(masked: bool, empty_replica: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(4)
     out = []
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        if masked:  # rows 0-3 (replica 0) keep 6, 5, 4, 3 labels; rows 4-7 (replica 1) keep 1 each
-            keep = torch.tensor([6, 5, 4, 3, 1, 1, 1, 1])
+        if masked:  # rows 0-3 (replica 0) keep 6, 5, 4, 3 labels; rows 4-7 (replica 1) keep 1 each, or none
+            keep = torch.tensor([6, 5, 4, 3] + [0 if empty_replica else 1] * 4)
             labels[torch.arange(SEQ)[None, :] >= keep[:, None]] = -100
         out.append({"ids": ids, "labels": labels})
     return out
@@ -86,23 +86,29 @@ def _train(config: dict, factory, batches, reduce: str, plan=None):
     return run, outputs
 
 
-def _layouts(masked, plain):
+def _layouts(masked, plain, empty):
     return {"tokens": _train({}, counting, masked, "tokens"),
+            "tokens, replica 1 all ignored": _train({}, counting, empty, "tokens"),
             "tokens tp2": _train({"tp": 2}, counting, masked, "tokens", plan=sw.Plan(name="none")),
             "sum": _train({}, logits_model, plain, "sum")}
 
 
 def test_token_weighted_summed_and_concatenated_outputs():
-    masked, plain = token_batches(True), token_batches(False)
+    masked, plain, empty = token_batches(True), token_batches(False), token_batches(True, empty_replica=True)
     want_tokens = reference_run(counting, masked, loss=whole_batch_loss)
+    want_empty = reference_run(counting, empty, loss=whole_batch_loss)
     want_sum = reference_run(logits_model, plain, loss=summed_slices)
     first = logits_model()
-    for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain)):
-        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("sum", want_sum)):
+    for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain, empty)):
+        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("sum", want_sum),
+                           ("tokens, replica 1 all ignored", want_empty)):
             got, outputs = runs[name]
             assert_parity(want, got)
         _, token_outputs = runs["tokens"]
         assert [n for _, n in token_outputs] == [int((b["labels"] != -100).sum()) for b in masked]
+        # outputs=True: this replica's count is its microbatches' counts summed, not averaged
+        counts = [int(o) for o, _ in token_outputs]
+        assert counts == [int((replica_slice(b, rank, 2)["labels"] != -100).sum()) for b in masked], counts
         logits, tokens = runs["sum"][1][0]
         assert tokens is None and logits.shape == (BATCH // 2, SEQ, VOCAB)
         expected = first(replica_slice(plain[0], rank, 2))[1].detach()
