@@ -14,9 +14,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ShardwiseError
+from .errors import ConfigError, ShardwiseError
 from .loss_scale import LossScaler
 from .module import ParallelModule
+from .tensors import is_sharded
+
+# Optimizers whose update of an element reads only that element's gradient and state: exact
+# on any shard of a parameter. Others (Adafactor's row/column statistics, Muon's
+# orthogonalization, LBFGS) need the whole parameter.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.ASGD)
 
 
 class ParallelOptimizer:
@@ -133,6 +141,11 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
     parameters of `pmodel`. `loss_scaler`: a `sw.LossScaler` (default: one when param_dtype is
     float16, else None), whose scale train_step multiplies the loss by; steps with inf/NaN
     gradients are then skipped (loss_scale.py).
+
+    Where the optimizer sees parts of parameters (ZeRO shards, tensor-parallel shards), only
+    element-wise optimizers compute what they compute on one process: torch's SGD, Adam(W),
+    Adamax, Adagrad, Adadelta, RMSprop, Rprop, NAdam, RAdam, ASGD and their subclasses. Others
+    (Adafactor, Muon, LBFGS) are refused there; `elementwise=True` vouches for one of your own.
     """
     if not isinstance(pmodel, ParallelModule):
         raise ShardwiseError(
@@ -145,6 +158,7 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
     if loss_scaler is not None and pmodel.loss_scaler is not None:
         raise ShardwiseError("build_optimizer: this ParallelModule already has an optimizer with a loss scaler; "
                              "one loss scale drives train_step, so build one optimizer with parameter groups")
+    elementwise = kwargs.pop("elementwise", None)
     params = kwargs.pop("params", None)
     if params is None:
         params = [p for p in pmodel.parameters() if p.requires_grad]
@@ -162,12 +176,31 @@ def build_optimizer(pmodel: ParallelModule, optimizer_class: Callable[..., torch
             "optimizer class and its arguments (sw.build_optimizer(pm, torch.optim.AdamW, lr=3e-4)), or "
             "functools.partial(OptimizerClass, ...) for bound arguments"
         )
+    _check_shards_fit(pmodel, base, elementwise)
     parallel_class = type(base.__name__, (ParallelOptimizer, base), {"__module__": base.__module__})
     optimizer = parallel_class(pmodel.optimizer_params.param_groups(groups), *bound_args, pmodel=pmodel,
                                loss_scaler=loss_scaler, **{**bound_kwargs, **kwargs})
     pmodel.optimizers.append(optimizer)
     pmodel.loss_scaler = loss_scaler if loss_scaler is not None else pmodel.loss_scaler
     return optimizer
+
+
+def _check_shards_fit(pmodel: ParallelModule, base: type, elementwise: bool | None) -> None:
+    """Refuse an optimizer that needs whole parameters where it would get parts of them."""
+    if elementwise if elementwise is not None else issubclass(base, ELEMENTWISE):
+        return
+    tp_sharded = [name for name, param in pmodel.named_parameters() if is_sharded(param)]
+    zero = pmodel.optimizer_params.zero.stage  # after parallelize's downgrade: 0 with one replica
+    if zero or tp_sharded:
+        c = pmodel.config
+        parts = ([f"ZeRO-{zero} shards over {pmodel.topology.size('dp')} replicas"] if zero else []) + \
+                ([f"tensor parallelism shards {len(tp_sharded)} parameters, e.g. {tp_sharded[:3]}"] if tp_sharded else [])
+        raise ConfigError(
+            f"build_optimizer: {base.__name__} is not an element-wise optimizer (its update reads a whole parameter: "
+            f"row/column statistics, orthogonalization), but in this layout (zero={c.zero}, tp={c.tp}) it would get "
+            f"parts of parameters ({'; '.join(parts)}) and compute something else than on one process. Use zero=0 "
+            "and no tensor-parallel sharding with it (dp, pp and cp keep parameters whole), an element-wise "
+            "optimizer (AdamW, SGD, ...), or pass elementwise=True if yours is one")
 
 
 def _check_params_belong(pmodel: nn.Module, params: list[Any]) -> None:

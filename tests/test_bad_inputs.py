@@ -495,6 +495,17 @@ def _tokens(count, tp: int = 1, steps: int = 3):
     return "trained"
 
 
+def _optimizer_in(cls, elementwise=None, **config):
+    """A non-element-wise optimizer where parameters are sharded (it trained 4% off, or raised raw)."""
+    plan = "gpt" if config.get("tp", 1) > 1 else None
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    extra = {} if elementwise is None else {"elementwise": elementwise}
+    opt = sw.build_optimizer(pm, cls, lr=1e-3, **extra)
+    pm.train_step(gpt_batches(1, 4)[0])
+    opt.step()
+    return "stepped"
+
+
 def _peers_given(kind: str):
     batch = gpt_batches(1, 8)[0]
     r = _rank()
@@ -591,6 +602,16 @@ RANKS2 = {
     "tokens: tp peers count differently on a later step": Case(
         lambda: _tokens(lambda r, i: 3 + (r if i > 2 else 0), tp=2), "ModelError",
         "tensor-parallel peers counted different token totals"),
+    "Adafactor under ZeRO-1": Case(lambda: _optimizer_in(torch.optim.Adafactor, zero=1), "ConfigError",
+                                   "Adafactor is not an element-wise optimizer"),
+    "Adafactor under tp": Case(lambda: _optimizer_in(torch.optim.Adafactor, tp=2), "ConfigError",
+                               "in this layout (zero=0, tp=2) it would get parts of"),
+    "Muon under ZeRO-2": Case(lambda: _optimizer_in(functools.partial(torch.optim.Muon, adjust_lr_fn="original"),
+                                                    zero=2), "ConfigError", "Muon is not an element-wise optimizer"),
+    "Adafactor with whole parameters": Case(lambda: _optimizer_in(torch.optim.Adafactor), None,
+                                            check=lambda v: v == "stepped"),
+    "an element-wise optimizer vouched for": Case(lambda: _optimizer_in(torch.optim.Adafactor, elementwise=True,
+                                                                        zero=1), None, check=lambda v: v == "stepped"),
     "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
                                                check=lambda v: v == "trained"),
 }
