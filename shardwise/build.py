@@ -99,6 +99,13 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
         raise ModelError("module is already a ParallelModule; pass the original module to parallelize")
     if not isinstance(module, nn.Module):
         raise ModelError(f"parallelize needs a torch.nn.Module, got {type(module).__name__}")
+    for path, sub in module.named_modules():
+        if isinstance(sub, ParallelModule) or getattr(sub, PARALLELIZED, False):
+            where = f"its submodule {path!r}" if path else "it"
+            raise ModelError(
+                f"{type(module).__name__}: {where} was parallelized already; parallelizing again would reduce its "
+                "gradients twice (halving them) and leave the outer parameters unsynchronized. Call sw.parallelize "
+                "once, on the whole model (parts=[...] keeps the plan to submodules), with a freshly built module")
     if not any(p.requires_grad for p in module.parameters()):
         raise ModelError(
             f"{type(module).__name__} has no trainable parameters (none, or all requires_grad=False); "
@@ -166,10 +173,14 @@ def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | Non
     return lines
 
 
+PARALLELIZED = "_shardwise_parallelized"  # set on a module parallelize has changed: it is not a plain module any more
+
+
 def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: ResolvedPlan,
            pipelined: PipelineCapture | None) -> ParallelModule:
     """The executors, in order; every rank runs the same steps (agreed by parallelize)."""
     config = topology.config
+    object.__setattr__(module, PARALLELIZED, True)
     index = ModelIndex.of(module)
     layout = pipelined.layout if pipelined is not None else None
     if layout is not None:

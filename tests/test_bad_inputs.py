@@ -291,6 +291,18 @@ def _deferred_twice():
     return sw.parallelize(module)
 
 
+def _parallelized_twice():
+    module = Tuple()
+    sw.parallelize(module)
+    return sw.parallelize(module)  # its parameters' gradients got 0.5x
+
+
+def _inner_parallelized():
+    inner = Tuple()
+    sw.parallelize(inner)
+    return sw.parallelize(nn.ModuleDict({"inner": inner, "head": nn.Linear(1, 1)}))
+
+
 def _loss_without_grad():
     pm = sw.parallelize(Tuple())
     with torch.no_grad():
@@ -302,8 +314,14 @@ MODELS = {
     "no parameters": Case(lambda: sw.parallelize(NoParams()), "ModelError", "has no trainable parameters"),
     "only frozen parameters": Case(lambda: sw.parallelize(Frozen()), "ModelError", "has no trainable parameters"),
     "already parallel": Case(lambda: sw.parallelize(sw.parallelize(Tuple())), "ModelError", "already a ParallelModule"),
+    "parallelized twice": Case(_parallelized_twice, "ModelError", "it was parallelized already"),
+    "a ParallelModule inside a module": Case(lambda: sw.parallelize(nn.ModuleDict({"inner": sw.parallelize(Tuple()),
+                                                                                  "head": nn.Linear(1, 1)})),
+                                             "ModelError", "its submodule 'inner' was parallelized already"),
+    "a parallelized module inside a module": Case(_inner_parallelized, "ModelError",
+                                                  "its submodule 'inner' was parallelized already"),
     "meta tensors": Case(_on_meta, "ModelError", "not built with sw.deferred_init"),
-    "deferred module twice": Case(_deferred_twice, "ModelError", "already materialized"),
+    "deferred module twice": Case(_deferred_twice, "ModelError", "it was parallelized already"),
     "forward returns logits": Case(lambda: sw.parallelize(ReturnsLogits()).train_step(torch.randn(8, 4)), "ModelError",
                                    "return the scalar loss first"),
     "forward returns None": Case(lambda: sw.parallelize(ReturnsNone()).train_step(torch.randn(8, 4)), "ModelError",
