@@ -9,26 +9,33 @@ one program each see their own. Outside such a call pass the topology explicitly
 process running no parallel step (the model's own forward) the helpers are the identity, so
 the same model code runs unparallelized.
 
-The helpers are differentiable with DTensor's semantics: `reduce` sums partial values into
-a replicated one (its gradient is passed through), `gather` joins shards into a replicated
-tensor (its gradient is this rank's slice), `split` takes this rank's shard of a replicated
-tensor (its gradient is all-gathered). So a row-parallel product is
-`sw.reduce(sw.split(x, "tp", -1) @ sw.split(w, "tp", 1).T, "tp")`, with x's and w's
-gradients whole on every rank.
+Their gradients follow from what the group's ranks compute after the collective:
+- over tensor-parallel ranks ("tp"), the same loss: DTensor's semantics. `reduce` sums
+  partial values into a replicated one (its gradient is passed through), `gather` joins
+  shards (its gradient is this rank's slice), `split` takes this rank's shard of a replicated
+  tensor (its gradient is all-gathered). So a row-parallel product is
+  `sw.reduce(sw.split(x, "tp", -1) @ sw.split(w, "tp", 1).T, "tp")`, with x's and w's
+  gradients whole on every rank.
+- over data-parallel replicas or context-parallel shards ("dp", "cp", "dp+cp"), different
+  losses, whose gradients shardwise then combines: a gradient reaching the output on any rank
+  flows back to every rank's input (`reduce`'s backward sums, `gather`'s reduce-scatters), so
+  batch statistics or in-batch negatives over the dp group get one process's gradient on the
+  concatenated batch.
+A group mixing the two kinds ("dp+tp") is refused: no single rule is right for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import ConfigError
-from .parallel.collectives import redistribute
+from .parallel.collectives import across_losses, redistribute
 from .topology import Topology
 
 _RUNNING: contextvars.ContextVar[Topology | None] = contextvars.ContextVar("shardwise_topology", default=None)
@@ -54,33 +61,54 @@ def current_topology(topology: Topology | None = None) -> Topology:
     return found
 
 
-def _group(name: str, topology: Topology | None):
-    """The named group of the running (or given) topology; None on a single process that runs
-    no parallel step (the model's plain forward: every helper is then the identity)."""
+LOSS_DIMS = frozenset({"dp", "cp"})  # ranks computing different losses
+
+
+def _group(name: str, topology: Topology | None) -> tuple[Any, bool]:
+    """(the named group of the running (or given) topology, whether its ranks compute
+    different losses); (None, False) on a single process that runs no parallel step (the
+    model's plain forward: every helper is then the identity)."""
     if topology is None and _RUNNING.get() is None and (not dist.is_initialized() or dist.get_world_size() == 1):
-        return None
+        return None, False
     dims = tuple(name.split("+"))  # "dp+cp": the group spanning both
-    return current_topology(topology).group(*dims)
+    group = current_topology(topology).group(*dims)
+    across = {d in LOSS_DIMS for d in dims}
+    if len(across) > 1:
+        raise ConfigError(f"group {name!r} mixes ranks that compute different losses (dp, cp) with ranks that compute "
+                          "the same one (tp, pp): no one gradient rule fits both; call the helper once per kind, "
+                          "e.g. sw.reduce(sw.reduce(x, 'tp'), 'dp')")
+    return group, across == {True}
 
 
 def reduce(tensor: torch.Tensor, group: str, op: str = "sum", topology: Topology | None = None) -> torch.Tensor:
     """The sum (op="sum") or mean (op="mean") of `tensor` over the named group, on every rank."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"reduce(op={op!r}): use 'sum' or 'mean' (the differentiable reductions)")
-    process_group = _group(group, topology)
+    process_group, across = _group(group, topology)
     if process_group is None:
         return tensor
-    total = redistribute(tensor, Partial(), Replicate(), process_group)
+    if across:
+        total = across_losses(tensor, "sum", process_group)
+    else:
+        total = redistribute(tensor, Partial(), Replicate(), process_group)
     return total / process_group.size() if op == "mean" else total
 
 
 def gather(tensor: torch.Tensor, group: str, dim: int = -1, topology: Topology | None = None) -> torch.Tensor:
     """Every rank's `tensor` of the named group concatenated along `dim`, in rank order."""
-    process_group = _group(group, topology)
-    return tensor if process_group is None else redistribute(tensor, Shard(dim), Replicate(), process_group)
+    process_group, across = _group(group, topology)
+    if process_group is None:
+        return tensor
+    if across:
+        return across_losses(tensor, "gather", process_group, dim)
+    return redistribute(tensor, Shard(dim), Replicate(), process_group)
 
 
 def split(tensor: torch.Tensor, group: str, dim: int = -1, topology: Topology | None = None) -> torch.Tensor:
     """This rank's equal slice of `tensor` along `dim` within the named group."""
-    process_group = _group(group, topology)
-    return tensor if process_group is None else redistribute(tensor, Replicate(), Shard(dim), process_group)
+    process_group, across = _group(group, topology)
+    if process_group is None:
+        return tensor
+    if across:
+        return across_losses(tensor, "split", process_group, dim)
+    return redistribute(tensor, Replicate(), Shard(dim), process_group)

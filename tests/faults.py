@@ -16,7 +16,7 @@ import torch.nn.functional as F
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
-          "cp-positions-local")
+          "cp-positions-local", "dp-gather-pass-through")
 
 
 def from_environment() -> str | None:
@@ -32,7 +32,11 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor as tensor
 
-    if name == "sum-not-mean":  # gradients summed over replicas instead of averaged
+    if name == "dp-gather-pass-through":  # sw.gather/reduce over dp with DTensor's same-loss backward
+        import shardwise.groups as groups
+
+        groups.LOSS_DIMS = frozenset()
+    elif name == "sum-not-mean":  # gradients summed over replicas instead of averaged
         base = data.ReduceGroup
 
         class Summing(base):

@@ -43,3 +43,13 @@ def test_parity_check_fails_under_fault(fault, world, config, plan, model, optim
     if caught.type is sw.RankFailedError:  # one of shardwise's own checks, not a crash of the injected code
         assert re.search(r"^(\w+Error): ", str(caught.value).split("raised:\n", 1)[1]).group(1) in SHARDWISE_ERRORS, \
             caught.value
+
+
+def test_dp_gather_in_model_code_fails_under_fault():
+    """In-batch negatives gathered over dp: with the gradient passed through as DTensor does
+    for tp (right only when every rank computes the same loss) the parity check fails."""
+    from test_groups import InBatchNegatives, mlp_batches
+
+    run_and_compare(2, {}, InBatchNegatives, mlp_batches())
+    with pytest.raises(AssertionError):
+        run_and_compare(2, {}, InBatchNegatives, mlp_batches(), fault="dp-gather-pass-through")

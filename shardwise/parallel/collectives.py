@@ -12,6 +12,11 @@ Two families:
 - `enter_parallel(x, src)`: the input of a column-parallel or vocab-parallel module, whose
   input gradient is partial on every rank (Megatron's `f`/`g`): identity or all-gather
   forward, all-reduce or reduce-scatter backward.
+- `across_losses(x, kind)`: over ranks that compute different losses whose gradients are
+  then combined (data-parallel replicas, context-parallel shards). The backward must make
+  the ranks' gradients sum to the gradient of the losses' sum, so a gradient that reaches a
+  collective's output on any rank flows to every input it came from: sum <-> sum, gather <->
+  reduce-scatter, split <-> this rank's slice, zeros elsewhere (no communication).
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ def _identity(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tens
     return x.view_as(x)
 
 
+def _zero_padded(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """`x` as this rank's slice along `dim` of a tensor `size` times longer, zeros elsewhere."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape = list(x.shape)
+    shape[dim] *= size
+    out = x.new_zeros(shape)
+    out.narrow(dim, rank * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
 class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward_op, backward_op, group, dim):
@@ -89,6 +104,13 @@ def _apply(x: torch.Tensor, forward_op, backward_op, group, dim: int = 0) -> tor
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of `x` over `group`, differentiable: its gradient is the sum of the ranks' gradients."""
     return _apply(x, _all_reduce, _all_reduce, group)
+
+
+def across_losses(x: torch.Tensor, kind: str, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """`kind` ("sum", "gather" or "split" along `dim`) over ranks whose losses differ."""
+    ops = {"sum": (_all_reduce, _all_reduce), "gather": (_all_gather, _reduce_scatter), "split": (_split, _zero_padded)}
+    forward_op, backward_op = ops[kind]
+    return _apply(x, forward_op, backward_op, group, dim % x.dim() if x.dim() else 0)
 
 
 def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.ProcessGroup) -> torch.Tensor:
