@@ -182,6 +182,18 @@ class EagerAttention(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), batch["labels"].flatten())
 
 
+class SummedLoss(nn.Module):
+    """Our GPT with its loss summed over tokens instead of averaged."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make("gpt")
+
+    def forward(self, batch):
+        logits = self.gpt.logits(batch["input_ids"], batch.get("position_ids"))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+
 def _refusals() -> dict[str, str]:
     """Each refused use of cp=2, by name -> the error's class and message on this rank; and the
     loss infer_step returns for a batch."""
@@ -210,6 +222,7 @@ def _refusals() -> dict[str, str]:
     found["infer_step loss"] = float(pm.infer_step(batch))
     attempt("hand-written attention", lambda: sw.parallelize(EagerAttention(), config).train_step(batch))
     attempt("labels shifted by the model", lambda: sw.parallelize(make_zoo_model("llama"), config).train_step(batch))
+    attempt("loss summed over tokens", lambda: sw.parallelize(SummedLoss(), config).train_step(batch))
     eager = make("llama")
     eager.lm.config._attn_implementation = "eager"
     attempt("eager attention configured", lambda: sw.parallelize(eager, config))
@@ -226,6 +239,7 @@ def test_context_parallel_refusals():
         "plain forward": "ModelError: with cp > 1 a forward spans ranks.*train_step",
         "hand-written attention": "ModelError: .*softmax .*scaled_dot_product_attention",
         "labels shifted by the model": "ModelError: .*shifts its labels itself.*shift_labels=",
+        "loss summed over tokens": "ModelError: .*a loss with reduction='sum' would be scaled down",
         "eager attention configured": "ModelError: lm computes attention with 'eager'.*attn_implementation='sdpa'",
     }
     ranks = sw.testing.run_on_ranks(_refusals, 2)
@@ -253,3 +267,5 @@ def test_labels_shifted_by_the_model_are_refused_under_pp():
     with pytest.raises(ModelError, match="shifts its labels itself.*shift_labels="):
         refuse_shifted_labels(capture_module(make_zoo_model("llama"), shard, None)[0].steps)
     refuse_shifted_labels(capture_module(make("llama"), shard, None)[0].steps)  # shift_labels=: accepted
+    with pytest.raises(ModelError, match="reduction='sum' would be scaled down"):  # cp=2 halved it (issue 26)
+        refuse_shifted_labels(capture_module(SummedLoss(), shard, None)[0].steps)

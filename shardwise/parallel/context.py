@@ -236,11 +236,16 @@ def check_attention(module: torch.nn.Module) -> None:
 def refuse_shifted_labels(steps: list) -> None:
     """Under pp, the loss is glue code replayed as aten ops, out of the routing mode's sight:
     refuse a captured program that pads an integer tensor with the ignore index (Hugging
-    Face's label shift) the way the mode refuses it in a forward."""
+    Face's label shift) or sums a loss over the shard's tokens, the way the mode refuses them
+    in a forward."""
     for step in steps:
-        if step.func is not None and op_name(step.func) == "constant_pad_nd" and len(step.args) > 2 \
-                and step.args[2] == IGNORE_INDEX:
+        if step.func is None:
+            continue
+        name = op_name(step.func)
+        if name == "constant_pad_nd" and len(step.args) > 2 and step.args[2] == IGNORE_INDEX:
             raise ModelError(_SHIFTED_LABELS)
+        if name in ("nll_loss_forward", "nll_loss2d_forward") and len(step.args) > 3 and step.args[3] == _ATEN_SUM:
+            raise ModelError(_SUMMED_LOSS)
 
 
 class ContextParallel:
@@ -352,6 +357,8 @@ class _ShardedAttention(TorchFunctionMode):
                 "(Hugging Face: attn_implementation='sdpa'), which shardwise computes over the whole sequence")
         if func is F.pad and _shifts_labels(args, kwargs):
             raise ModelError(_SHIFTED_LABELS)
+        if func in _LOSSES and kwargs.get("reduction", args[_LOSSES[func]] if len(args) > _LOSSES[func] else None) == "sum":
+            raise ModelError(_SUMMED_LOSS)
         return func(*args, **kwargs)
 
 
@@ -361,6 +368,14 @@ _SHIFTED_LABELS = (
     "labels as shift_labels= (Hugging Face: model(..., labels=labels, shift_labels=labels)) or compute the loss "
     "from labels[:, t] as the target of position t")
 
+
+_SUMMED_LOSS = (
+    "under context parallelism the loss must be a mean over each shard's counted label tokens (shardwise weights "
+    "the shards' losses by their token counts to make one process's mean); a loss with reduction='sum' would be "
+    "scaled down by that weighting. Use reduction='mean' (the default), or train_step(reduce='tokens') without cp")
+
+_LOSSES = {F.cross_entropy: 6, F.nll_loss: 6}  # position of `reduction` among the positional arguments
+_ATEN_SUM = 2  # aten's Reduction::Sum
 
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
 
