@@ -69,6 +69,7 @@ class ParallelModule(nn.Module):
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
         self._replicated_grads_checked = False
+        self._loss_sharded: bool | None = None  # the loss is computed on tp-sharded activations (_tp_loss_share)
 
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:
@@ -226,6 +227,8 @@ class ParallelModule(nn.Module):
             with gradients.microbatch(last=i == parts - 1):
                 out = self.run_module(microbatch)
                 loss = loss_of(out)
+                if self.tensor_parallel is not None and self._tp_loss_share(loss) != 1.0:
+                    loss = loss * self._tp_loss_share(loss)  # this shard's share of the whole loss
                 if step.loss_weights is not None:
                     loss = loss * step.loss_weights[i]
                 if reduce == "tokens":
@@ -237,12 +240,35 @@ class ParallelModule(nn.Module):
                 stacked = torch.stack(losses).float()
                 local = stacked.mean() if reduce == "mean" else stacked.sum()
                 if i == parts - 1:  # averaged over replicas along with the gradients
+                    if self._loss_sharded:  # the shards' shares summed: the whole loss on every tp rank
+                        local = self._sum_over_tp(local)
                     if reduce == "tokens":
                         tokens = self._token_totals(local, torch.stack(counts))
                     gradients.loss(local)
                 scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
                 (scaled / parts if reduce == "mean" and parts > 1 else scaled).backward()
         return local, kept, tokens
+
+    def _tp_loss_share(self, loss: torch.Tensor) -> float:
+        """1 for a loss every tp rank computes whole; 1/tp for one computed on activations the
+        plan leaves sharded (each rank's is a mean over its shard): decided on the first
+        forward by comparing the ranks' values. Replicated computations on identical inputs
+        agree to rounding (a kernel's reduction order: ~1e-6 of the value in float32, far less
+        with deterministic kernels); means over disjoint shards differ by far more than the
+        1e-4 threshold. The whole loss is then the mean of the shards' (equal shards, as
+        sequence parallelism makes them)."""
+        if self._loss_sharded is None:
+            tp = self.tensor_parallel
+            values = funcol.wait_tensor(funcol.all_gather_single(local(loss.detach()).float().reshape(1), 0, tp.group))
+            spread = float(values.max() - values.min())
+            self._loss_sharded = spread > 1e-4 * max(float(values.abs().max()), 1e-30)
+        return 1.0 / self.tensor_parallel.size if self._loss_sharded else 1.0
+
+    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone().to(self.topology.device)
+        tp = self.tensor_parallel.group
+        self.coordinator.wait(dist.all_reduce(total, group=tp, async_op=True), "train_step: sharded loss over tp", tp)
+        return total
 
     def _token_totals(self, weighted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ loss·n, Σ n) over every replica; the gradients, which hold Σ n·∇loss, are

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
-          "cp-positions-local", "dp-gather-pass-through")
+          "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole")
 
 
 def from_environment() -> str | None:
@@ -32,7 +32,9 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor as tensor
 
-    if name == "dp-gather-pass-through":  # sw.gather/reduce over dp with DTensor's same-loss backward
+    if name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
+        module.ParallelModule._tp_loss_share = lambda self, loss: 1.0
+    elif name == "dp-gather-pass-through":  # sw.gather/reduce over dp with DTensor's same-loss backward
         import shardwise.groups as groups
 
         groups.LOSS_DIMS = frozenset()

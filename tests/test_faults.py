@@ -31,6 +31,16 @@ CASES = [  # fault, ranks, config, plan, model (GPT overrides, or a Hugging Face
 ]
 
 
+def test_sharded_loss_fails_under_fault():
+    """A loss computed on sequence-sharded activations, taken as each rank's whole loss (x tp)."""
+    from test_tensor_parallel import SHARDED_LOSS_PLANS, ShardedLossMLP, _sequences
+
+    config, plan = {"tp": 2, "sequence_parallel": True}, SHARDED_LOSS_PLANS["fc1 input split"]
+    run_and_compare(2, config, ShardedLossMLP, _sequences(), plan=plan)
+    with pytest.raises(AssertionError):
+        run_and_compare(2, config, ShardedLossMLP, _sequences(), plan=plan, fault="sharded-loss-whole")
+
+
 @pytest.mark.parametrize("fault, world, config, plan, model, optimizer", CASES, ids=[c[0] for c in CASES])
 def test_parity_check_fails_under_fault(fault, world, config, plan, model, optimizer):
     if isinstance(model, str):  # a Hugging Face model of tests/test_zoo.py

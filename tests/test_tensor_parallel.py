@@ -304,3 +304,36 @@ def test_hugging_face_sequence_parallel_gathers_once_per_pair():
     assert {op: n for op, n in per_layer.items() if n} == {"all_gather": 6, "reduce_scatter": 4}
     assert per_layer_bytes["reduce_scatter"] == 4 * activation
     assert per_layer_bytes["all_gather"] == 6 * activation // 2
+
+
+class ShardedLossMLP(nn.Module):
+    """An MLP over a sequence with its loss inside forward, which the plan leaves
+    sequence-sharded up to the loss: each tp rank computes the mean over its own tokens."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = MLP()
+
+    def forward(self, batch):
+        return (self.mlp(batch) - 0.5).pow(2).mean()
+
+
+def _sequences(steps: int = STEPS) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(4, 8, 4, generator=gen) for _ in range(steps)]
+
+
+SHARDED_LOSS_PLANS = {  # activations only: every parameter replicated, its gradient partial over tp
+    "fc1 input split": {"activations": {"mlp.fc1.input": "Replicate() -> Shard(1)", "mlp.fc2.input": "Shard(1)"}},
+    "output declared too": {"activations": {"mlp.fc1.input": "Replicate() -> Shard(1)", "mlp.fc2.input": "Shard(1)",
+                                            "mlp.fc2.output": "Shard(1)"}},
+}
+
+
+@pytest.mark.parametrize("name", list(SHARDED_LOSS_PLANS))
+def test_loss_on_sequence_sharded_activations_matches_one_process(name):
+    """The loss is the whole sequence's (the mean of the tp ranks' equal shards): every
+    gradient was exactly 2.0x at tp=2 before (issue 26), with the loss right. tests/faults.py
+    'sharded-loss-whole' breaks it."""
+    run_and_compare(2, {"tp": 2, "sequence_parallel": True}, ShardedLossMLP, _sequences(), plan=SHARDED_LOSS_PLANS[name])
