@@ -34,7 +34,7 @@ from .parallel.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
 from .step_output import StepOutput, check_reduce, concatenated, detached, tokens_of
-from .tensors import is_sharded, local
+from .tensors import is_sharded, local, tensor_leaves
 from .topology import Topology
 
 
@@ -99,6 +99,15 @@ class ParallelModule(nn.Module):
             raise ModelError(f"with {'pp' if self.pipeline is not None else 'cp'} > 1 a forward spans ranks (and "
                              "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         self._forwards += 1
+        if self._forwards == 1 and self.topology.size("dp") > 1:
+            upstream = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad and t.grad_fn is not None]
+            if upstream:
+                raise ModelError(
+                    f"{type(self.module).__name__}'s ParallelModule was called on a tensor computed from trainable "
+                    f"parameters outside it ({tuple(upstream[0].shape)}, from {type(upstream[0].grad_fn).__name__}): "
+                    "shardwise cannot synchronize those parameters' gradients across replicas, so they would drift "
+                    "apart. Parallelize the whole model once (sw.parallelize(outer_model, ..., parts=[...]) keeps "
+                    "the plan to a submodule)")
         if self.topology.world_size > 1 and (self._forwards - 1) % self.config.check_every == 0:
             lines = batch_signature((args, kwargs))
             self.coordinator.agree("forward", fingerprints=[Fingerprint(

@@ -524,6 +524,25 @@ def _optimizer_in(cls, elementwise=None, **config):
     return "stepped"
 
 
+class _Outer(nn.Module):
+    """A plain module holding a ParallelModule after its own trainable layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.inner = sw.parallelize(Tuple())
+
+    def forward(self, x):
+        return self.inner(self.stem(x))
+
+
+def _inside_a_plain_module():
+    outer = _Outer()
+    loss = outer(torch.randn(4, 4))[0]
+    loss.backward()
+    return "trained"  # the stem's gradient is this replica's alone
+
+
 def _peers_given(kind: str):
     batch = gpt_batches(1, 8)[0]
     r = _rank()
@@ -634,6 +653,8 @@ RANKS2 = {
                                                check=lambda v: v == "trained"),
 }
 RANKS4 = {
+    "a ParallelModule inside a plain module": Case(_inside_a_plain_module, "ModelError",
+                                                  "called on a tensor computed from trainable parameters outside it"),
     "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
                                        "dp=3 with tp=1, cp=1, pp=1 needs 3 ranks but world size is 4"),
     "tp peers given different samples": Case(lambda: _peers_given("tp peers given different samples"), "BatchError",
