@@ -154,7 +154,8 @@ def main() -> None:
 @click.option("--lr", default=3e-3, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--backend", default="gloo", show_default=True, help="torch.distributed backend for the ranks.")
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["gloo", "nccl"]),
+              help="torch.distributed backend for the ranks (nccl: one GPU per rank).")
 @click.option("--checkpoint", default=None, help="Checkpoint directory (default: a temporary one).")
 def demo(ranks: int, tp: int, pp: int, cp: int, schedule: str, steps: int, batch: int, microbatches: int, lr: float,
          seed: int, backend: str, checkpoint: str | None) -> None:
@@ -163,6 +164,10 @@ def demo(ranks: int, tp: int, pp: int, cp: int, schedule: str, steps: int, batch
 
     if ranks % (tp * pp * cp):
         raise click.BadParameter(f"--tp {tp} x --pp {pp} x --cp {cp} must divide --ranks {ranks}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < ranks:
+        raise click.BadParameter(f"--backend nccl needs a GPU per rank: --ranks {ranks}, {gpus} GPU(s) here; use "
+                                 "--backend gloo or fewer --ranks")
     replicas = ranks // (tp * pp * cp)
     if batch % (replicas * microbatches):
         raise click.BadParameter(f"--batch {batch} must be a multiple of replicas*microbatches = {replicas * microbatches}")
@@ -235,8 +240,16 @@ def _plan_model(name: str):
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise click.BadParameter(f"cannot import {name!r}: {exc}") from None
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        return factory()
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            built = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory: its failure, named
+        raise click.BadParameter(f"{name}() raised {type(exc).__name__}: {exc}; give a function that builds the "
+                                 "model with no arguments") from None
+    if not isinstance(built, torch.nn.Module) and not hasattr(built, "model_type"):
+        raise click.BadParameter(f"{name}() returned a {type(built).__name__}, not a torch.nn.Module or a "
+                                 "transformers config")
+    return built
 
 
 @main.command()

@@ -22,7 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, ModelError
+
+SMALLEST_SCALE = 2.0 ** -126  # float32's smallest normal number: below it 1/scale overflows
 
 
 @dataclass
@@ -51,6 +53,11 @@ class LossScaler:
     def update(self, found_inf: bool) -> None:
         """After a step: back off on inf/NaN, grow after `growth_interval` clean steps."""
         if found_inf:
+            if self.scale * self.backoff_factor < SMALLEST_SCALE:
+                raise ModelError(
+                    f"the loss scale fell to {self.scale:.3g}: every recent step had inf/NaN gradients at every scale, "
+                    "so the model itself produces them (a diverged model, an inf/NaN input, a bad learning rate). "
+                    "Load the last good checkpoint and lower the learning rate or check the data")
             self.scale *= self.backoff_factor
             self.growth_tracker = 0
             return

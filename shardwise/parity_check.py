@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from .batch import loss_of, split_batch
 from .config import ParallelConfig
 from .errors import ConfigError
+from .tensors import tensor_leaves
 
 FLOAT_TOLERANCE = 1e-2
 HALF_TOLERANCE = 5e-2
@@ -91,7 +92,29 @@ def resolve(spec: Callable | str) -> Callable:
 
 def _build(model: Callable, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # the same initial values on every process
-    return resolve(model)()
+    factory = resolve(model)
+    try:
+        built = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory: any failure is theirs, named
+        raise ConfigError(f"check: the model factory {getattr(factory, '__name__', factory)!r} raised "
+                          f"{type(exc).__name__}: {exc}; give a function that builds the model with no "
+                          "arguments") from exc
+    if not isinstance(built, nn.Module):
+        raise ConfigError(f"check: the model factory {getattr(factory, '__name__', factory)!r} returned a "
+                          f"{type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def _checked_batches(data: Any) -> list:
+    """The batches as a list of tensors or containers of tensors, or a ConfigError naming the first bad one."""
+    if not isinstance(data, (list, tuple)):
+        raise ConfigError(f"check: batches must be a list of batches (or a factory returning one), got "
+                          f"{type(data).__name__}")
+    for i, batch in enumerate(data):
+        if not tensor_leaves(batch):
+            raise ConfigError(f"check: batch {i} is a {type(batch).__name__} holding no tensor; each batch is what "
+                              "the model's forward takes: a tensor, or a dict/tuple of tensors")
+    return list(data)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +172,7 @@ def check(model: Callable | str, batches: Callable | str | list, config: Paralle
 
     if tolerance is None:
         tolerance = HALF_TOLERANCE if config.param_dtype in (torch.bfloat16, torch.float16) else FLOAT_TOLERANCE
-    data = resolve(batches)() if not isinstance(batches, list) else batches
+    data = _checked_batches(resolve(batches)() if not isinstance(batches, list) else batches)
     if len(data) < steps:
         raise ConfigError(f"check: {steps} steps need {steps} batches, the batches give {len(data)}")
     data = data[:steps]

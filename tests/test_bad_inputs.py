@@ -374,6 +374,20 @@ def search(**kwargs):
     return lambda: sw.plan.search("llama3-8b", sw.Cluster(gpus=8), **{"global_batch": 8, "seq_len": 2048, **kwargs})
 
 
+def _huge_spec():
+    import dataclasses
+
+    from shardwise.planner import MODELS
+
+    return dataclasses.replace(MODELS["llama3-8b"], layers=1_000_000)
+
+
+def _scale_underflow():
+    scaler = sw.LossScaler(init_scale=2.0 ** -120)
+    for _ in range(10):
+        scaler.update(found_inf=True)
+
+
 PLANNER = {  # each was accepted and planned nonsense before (issue 26)
     "memory_bytes zero": Case(cluster(memory_bytes=0), "ConfigError", "memory_bytes=0 must be a positive finite"),
     "memory_bytes negative": Case(cluster(memory_bytes=-1), "ConfigError", "memory_bytes=-1 must be a positive"),
@@ -386,6 +400,9 @@ PLANNER = {  # each was accepted and planned nonsense before (issue 26)
     "gpus bool": Case(cluster(gpus=True), "ConfigError", "gpus=True must be a positive integer"),
     "seq_len bool": Case(search(seq_len=True), "ConfigError", "seq_len=True must be a positive number"),
     "global_batch bool": Case(search(global_batch=True), "ConfigError", "global_batch=True must be a positive integer"),
+    "model spec with a million layers": Case(lambda: sw.plan.search(_huge_spec(), sw.Cluster(gpus=8), global_batch=8,
+                                                                    seq_len=2048), "ConfigError", "layers=1000000"),
+    "loss scale underflow": Case(_scale_underflow, "ModelError", "the loss scale fell to"),
     "override kept": Case(lambda: sw.Cluster(gpus=8, memory_bytes=40e9).spec.memory_bytes, None, check=lambda v: v == 40e9),
 }
 
@@ -466,6 +483,40 @@ def _collective_on_rank_zero(method: str):
 def _state_dict_on_rank_zero():
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
     return pm.load_full_state_dict(make_gpt(1).state_dict() if _rank() == 0 else {})
+
+
+class _BrokenRuleLayer(nn.Linear):
+    pass
+
+
+def _broken_rule(path, module, placements):
+    raise KeyError("weight_scale")  # a bug in the user's rule
+
+
+sw.plan.register_rule(_BrokenRuleLayer, _broken_rule)
+
+
+class _WithBrokenRule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = _BrokenRuleLayer(4, 4)
+
+    def forward(self, x):
+        return self.layer(x).pow(2).mean()
+
+
+class _SharedLinear(nn.Module):
+    """One Linear used by two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.ReLU())])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
 
 
 def _given_by_rank(kind: str):
@@ -639,6 +690,13 @@ RANKS2 = {
     "tokens: tp peers count differently on a later step": Case(
         lambda: _tokens(lambda r, i: 3 + (r if i > 2 else 0), tp=2), "ModelError",
         "tensor-parallel peers counted different token totals"),
+    "a rule raising KeyError": Case(lambda: sw.parallelize(_WithBrokenRule(), sw.ParallelConfig(tp=2),
+                                                           plan={"params": {"layer.weight": "Shard(0)"}}),
+                                    "ShardwiseError", "parallelize failed before communicating: KeyError: 'weight_scale'"),
+    "a tp plan on a Linear shared by two blocks": Case(
+        lambda: float(sw.parallelize(_SharedLinear(), sw.ParallelConfig(tp=2),
+                                     plan={"params": {"blocks.*.0.weight": "Shard(0)"}}).train_step(torch.ones(4, 4))),
+        "PlanError", "Linear 'blocks.0.0' is one module used at ['blocks.0.0', 'blocks.1.0']"),
     "Adafactor under ZeRO-1": Case(lambda: _optimizer_in(torch.optim.Adafactor, zero=1), "ConfigError",
                                    "Adafactor is not an element-wise optimizer"),
     "Adafactor under tp": Case(lambda: _optimizer_in(torch.optim.Adafactor, tp=2), "ConfigError",
@@ -738,6 +796,51 @@ def _save(path: str, extra: Any = None):
     return sw.save_checkpoint(path, pm, opt, extra=extra)
 
 
+def _disk_full(kind: str):
+    """A save whose write fails (a full disk) on one or every rank; then training goes on and
+    the next save succeeds. The failure is injected where the file is written."""
+    import errno
+
+    from safetensors import SafetensorError
+    from shardwise.checkpoint import store
+
+    pm, opt = _ckpt_model()
+    real = store.save_file
+
+    def full(tensors, filename):
+        if kind == "safetensors":
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+        if _rank() == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        return real(tensors, filename)
+
+    store.save_file = full
+    try:
+        sw.save_checkpoint(CONTEXT["fresh"], pm, opt)
+    except sw.CheckpointError as exc:
+        message = str(exc)
+    finally:
+        store.save_file = real
+    pm.train_step(gpt_batches(1, 4)[0])
+    opt.step()
+    sw.save_checkpoint(CONTEXT["fresh"], pm, opt)
+    sw.load_checkpoint(CONTEXT["fresh"], pm, opt)
+    raise sw.CheckpointError(message)  # what the failed save said, after training went on
+
+
+def _beside_another_job():
+    """Another job's save in progress in the same directory survives ours; a stale one does not."""
+    root = Path(CONTEXT["shared"])
+    if _rank() == 0:
+        (root / "v-0000000000other.tmp").mkdir(parents=True, exist_ok=True)
+        stale = root / "v-00000000000dead.tmp"
+        stale.mkdir(exist_ok=True)
+        os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    _save(str(root))
+    dist.barrier()
+    return sorted(p.name for p in root.glob("v-*.tmp"))
+
+
 def _load_into_groups(key: str, split: str):
     """The 'good' checkpoint (one SGD group) into an optimizer with two groups."""
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
@@ -793,6 +896,16 @@ CHECKPOINTS = {
     "optimizer with the saved group": Case(lambda: _load_into_groups("good", "one group"), None),
     "extra holding an object": Case(lambda: _save(CONTEXT["fresh"], extra={"sampler": Case(None, None)}),
                                     "CheckpointError", "may not contain"),
+    "disk full on one rank": Case(lambda: _disk_full("oserror"), "CheckpointError",
+                                  "rank 1's checkpoint file in"),
+    "disk full, said in words": Case(lambda: _disk_full("oserror"), "CheckpointError",
+                                     "the disk is full: free space or save elsewhere"),
+    "disk full, safetensors' error": Case(lambda: _disk_full("safetensors"), "CheckpointError",
+                                          "SafetensorError: Error while serializing"),
+    "permission denied said as such": Case(lambda: _save("/sys/shardwise-ck"), "CheckpointError",
+                                           "permission denied: make the directory writable"),
+    "another job's save in progress survives": Case(_beside_another_job, None,
+                                                    check=lambda v: v == ["v-0000000000other.tmp"]),
     "extra that cannot be pickled": Case(lambda: _save(CONTEXT["fresh"], extra={"fn": lambda: 0}), "CheckpointError",
                                          "cannot be saved"),
 }
@@ -822,6 +935,7 @@ def checkpoints(tmp_path_factory):
     (root / "empty").mkdir()
     (root / "file").write_text("a file, not a directory")
     paths["file"] = root / "file"
+    paths["shared"] = root / "shared"
     (root / "unshared").mkdir()
 
     def variant(name: str, damage: Callable[[Path], None]) -> None:
@@ -865,6 +979,7 @@ MERGES = {  # one process: what load refuses, merge refuses
     "merge into a missing directory": ("good", "nowhere/m.safetensors", False, "does not exist; create it first"),
     "merge with a wrong suffix": ("good", "m.bin", False, "must end in .safetensors or .pt"),
     "merge of optimizer state never saved": ("no-optimizer", "m.pt", True, "has no optimizer state to merge"),
+    "merge into an unwritable directory": ("good", "/sys/m.safetensors", False, "Permission denied (os error 13)"),
 }
 
 
@@ -889,7 +1004,23 @@ CLI = {
     "demo batch not a multiple": (["demo", "--batch", "6"], "must be a multiple of replicas*microbatches = 8"),
     "demo --lr 0": (["demo", "--lr", "0"], "0.0 is not in the range x>0"),
     "merge of a missing path": (["merge", "/nonexistent/ckpt", "/tmp/x.safetensors"], "does not exist"),
+    "demo --backend nccl without a GPU per rank": (["demo", "--backend", "nccl"], "--backend nccl needs a GPU per rank"),
+    "demo --backend mpi": (["demo", "--backend", "mpi"], "'mpi' is not one of 'gloo', 'nccl'"),
+    "plan --model of a function needing arguments": (["plan", "--model", "json:loads", "--gpus", "8", "--seq", "2048",
+                                                      "--global-batch", "8"], "json:loads() raised TypeError"),
+    "plan --model returning a string": (["plan", "--model", "os:getcwd", "--gpus", "8", "--seq", "2048",
+                                         "--global-batch", "8"], "os:getcwd() returned a str, not a torch.nn.Module"),
+    "check of a factory returning a string": (["check", "os:getcwd", "test_groups:mlp_batches", "--ranks", "2"],
+                                              "returned a str, not a torch.nn.Module"),
+    "check with string batches": (["check", "test_check:gpt", "os:getcwd", "--ranks", "2"],
+                                  "batches must be a list of batches"),
+    "check with batches of strings": (["check", "test_check:gpt", "test_bad_inputs:_strings", "--ranks", "2"],
+                                      "batch 0 is a str holding no tensor"),
 }
+
+
+def _strings():
+    return ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("name", list(CLI))

@@ -181,14 +181,33 @@ def _group_names(pmodel, optimizer) -> list[list[str]]:
 
 
 def _attempt(action, what: str) -> CheckpointError | None:
-    """Run a filesystem action; its failure as a CheckpointError naming `what` and the cause."""
+    """Run a filesystem action; its failure as a CheckpointError naming `what` and the cause
+    (chained), so every rank can be told and training can go on."""
     try:
         action()
-    except OSError as exc:
-        return CheckpointError(f"{what}: {exc.strerror or exc}")
     except CheckpointError as exc:
         return exc
+    except OSError as exc:
+        error = CheckpointError(f"{what}: {_os_reason(exc)}")
+        error.__cause__ = exc
+        return error
+    except Exception as exc:  # noqa: BLE001 - a writer's own errors (safetensors' on a full disk)
+        error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
     return None
+
+
+def _os_reason(exc: OSError) -> str:
+    """An OSError's cause in words, with the fix for the common ones."""
+    import errno
+
+    hints = {errno.ENOSPC: "the disk is full: free space or save elsewhere",
+             errno.EDQUOT: "the disk quota is exceeded: free space or save elsewhere",
+             errno.EACCES: "permission denied: make the directory writable by this job",
+             errno.EPERM: "permission denied: make the directory writable by this job",
+             errno.EROFS: "the filesystem is read-only: save to a writable one"}
+    return hints.get(exc.errno, exc.strerror or str(exc)) + (f" ({exc.filename})" if exc.filename else "")
 
 
 def _discard(topology, staging: Path) -> None:

@@ -13,7 +13,8 @@
 
 A save writes `v-<id>.tmp/`, renames it to `v-<id>/` once every rank has written, then
 points LATEST at it with `os.replace`; a crash at any moment leaves LATEST on the previous
-complete version. A load reads only the byte ranges it needs (safetensors slices); every
+complete version. Older versions are then removed, but not another job's save in progress
+(a staging directory written to within the hour) nor the version LATEST names. A load reads only the byte ranges it needs (safetensors slices); every
 chunk's checksum is verified once (`Reader.validate`), so a flipped byte anywhere is refused
 with the file and the tensor it belongs to, by load and merge alike.
 
@@ -30,6 +31,7 @@ import io
 import json
 import os
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -131,10 +133,30 @@ def publish(path: Path, staging: Path, meta: dict[str, Any], saved: dict[str, An
     pointer = path / (LATEST + ".tmp")
     pointer.write_text(final.name)
     os.replace(pointer, path / LATEST)
-    for old in path.glob("v-*"):  # earlier versions and interrupted saves
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    _remove_superseded(path, final)
     return final
+
+
+STALE_S = 3600.0  # a staging directory untouched this long belongs to a save that died
+
+
+def _remove_superseded(path: Path, final: Path) -> None:
+    """Drop earlier versions and interrupted saves, but not what another job saving into the
+    same directory is using: the version LATEST names now, or a staging directory recently
+    written to."""
+    try:
+        current = (path / LATEST).read_text().strip()
+    except OSError:
+        current = final.name
+    for old in path.glob("v-*"):
+        if old == final or old.name == current:
+            continue
+        try:
+            if old.name.endswith(".tmp") and time.time() - old.stat().st_mtime < STALE_S:
+                continue
+        except OSError:  # removed meanwhile
+            continue
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _complete_crc(version: Path) -> int:

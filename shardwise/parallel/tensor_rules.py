@@ -282,6 +282,16 @@ def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str
     for name, placement in resolved.params.items():
         path, _, leaf = name.rpartition(".")
         owned.setdefault(path, {})[leaf] = placement
+    paths_of: dict[int, list[str]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        paths_of.setdefault(id(sub), []).append(path)
+    for path, placements in owned.items():
+        shared = paths_of.get(id(modules.get(path)), [])
+        if len(shared) > 1 and any(not isinstance(p, Replicate) for p in placements.values()):
+            raise PlanError(f"{type(modules[path]).__name__} {shared[0]!r} is one module used at {shared}: shardwise "
+                            "computes a tensor-parallel module in a module put in its place, once per path. Give each "
+                            "place its own module (sharing the parameters, if they are meant to be shared), or "
+                            "leave it replicated")
     ruled = {path for path, placements in owned.items()
              if any(not isinstance(p, Replicate) for p in placements.values()) and rule_for(modules[path])}
     computed_by_rule = {id(p) for path in ruled for p in modules[path].parameters(recurse=False)}

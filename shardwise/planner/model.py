@@ -15,7 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
+
+MAX_LAYERS = 10_000  # the stage balance is a dynamic program over layers x stages: beyond this it would not fit
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,18 @@ class ModelSpec:
     head_params: tuple[int, int]
     plan: str | None = None
     max_seq: int | None = None  # learned position embeddings bound the sequence
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelSpec({name}={value!r}) must be a positive integer")
+        if self.layers > MAX_LAYERS:
+            raise ConfigError(f"ModelSpec(layers={self.layers}) is more than the planner plans for ({MAX_LAYERS}): the "
+                              "largest published models have ~100-200 layers; check the spec")
+        if self.mlp not in ("gelu", "swiglu") or self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"ModelSpec(mlp={self.mlp!r}, norm={self.norm!r}): mlp is 'gelu' or 'swiglu', norm "
+                              "'layernorm' or 'rmsnorm'")
 
     @property
     def params(self) -> int:
