@@ -149,11 +149,12 @@ class ParallelModule(nn.Module):
         replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
         if check:
             lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
-            agreement = self.coordinator.agree(op, problem, value=samples, fingerprints=[Fingerprint(
+            leader = topology.rank in replicas  # counts its replica's samples once
+            agreement = self.coordinator.agree(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
                 fingerprint_of(lines), lambda: lines, BatchError,
                 "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
                 "sw.data_parallel_info(pmodel), not by global rank", peers=topology.peer_groups("pp", "cp", "tp"))])
-            total = sum(agreement.values()[r] for r in replicas)
+            total = agreement.total
         else:
             if problem is not None:
                 raise problem

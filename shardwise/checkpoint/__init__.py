@@ -91,7 +91,7 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
         staging = path / f"v-{token:014x}.tmp"
         problem = _attempt(lambda: staging.mkdir(parents=True), f"cannot create checkpoint directory {str(staging)!r}")
     try:
-        agreement = coordinator.agree("save_checkpoint", problem, value=token)
+        agreement = coordinator.agree("save_checkpoint", problem, value=token, gather=True)
     except CheckpointError:
         if staging is not None:
             _discard(topology, staging)
@@ -112,7 +112,7 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
                                f"cannot write rank {topology.rank}'s checkpoint file in {str(staging)!r}")
             crc = crc_box[0] if crc_box else 0
     try:
-        agreement = coordinator.agree("save_checkpoint/write", problem, value=crc)
+        agreement = coordinator.agree("save_checkpoint/write", problem, value=crc, gather=True)
     except CheckpointError:
         _discard(topology, staging)
         raise
