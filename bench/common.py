@@ -50,12 +50,16 @@ def training_step(forward_backward, optimizer):
 
 def timed_rounds(steps: dict[str, Callable[[object], None]], batches: list, rounds: int) -> dict[str, list[float]]:
     """Seconds per step for each implementation, one entry per round; rounds alternate
-    between implementations so both see the same machine load. One warm-up step each."""
+    between implementations so both see the same machine load, and the order rotates each
+    round so none is always first after the barrier. One warm-up step each."""
     for step in steps.values():
         step(batches[0])
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    names = list(steps)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            step = steps[name]
             dist.barrier()
             start = time.perf_counter()
             for batch in batches:

@@ -57,7 +57,7 @@ def _bench(args):
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, ranks=4, rounds=5, steps=4)
+    parser = bench_parser(__doc__, ranks=4, rounds=15, steps=4)
     args = parser.parse_args()
 
     res = sw.testing.run_on_ranks(_bench, args.ranks, args, timeout=3600)[0]
