@@ -335,6 +335,10 @@ class Coordinator:
         except BaseException as exc:
             if self.size > 1:
                 self._leave_step(f"{op} #{self.seq} raised {type(exc).__name__}: {_short(exc)}")
+                if isinstance(exc, RuntimeError) and not isinstance(exc, ShardwiseError) and _peer_lost(exc):
+                    raise CommunicationError(  # a collective inside the operation (tp, pp, cp, ...) lost a peer
+                        f"rank {self.rank}: {op} #{self.seq} failed in a collective: {_short(exc)}. Last reports of "
+                        f"the other ranks: {self._diagnosis(self.ranks)}") from exc
             raise
 
     @contextlib.contextmanager
@@ -415,6 +419,13 @@ def _base_class_name(error: ShardwiseError) -> str:
         if cls.__module__ == errors.__name__ and cls is not AgreedError:
             return cls.__name__
     return "ShardwiseError"
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether a backend error says a peer went away or stopped answering."""
+    text = str(exc)
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                         "Broken pipe", "NCCL communicator was aborted", "Connection refused"))
 
 
 def _short(exc: BaseException) -> str:

@@ -1095,6 +1095,48 @@ def test_peer_that_exits_is_named(tmp_path):
     TIMES["peer exits"] = seconds
 
 
+def _peer_dies_inside(kind: str, report: str):
+    """Rank 1 exits in the middle of a tp forward, a pipeline schedule or cp attention."""
+    configs = {"tp": (sw.ParallelConfig(tp=2), "gpt", None), "pp": (sw.ParallelConfig(pp=2, microbatches=2), None,
+                                                                  gpt_batches(1, 4)[0]),
+               "cp": (sw.ParallelConfig(cp=2), None, None)}
+    config, plan, sample = configs[kind]
+    pm = sw.parallelize(make_gpt(0, n_layer=4, block_size=16), config, plan=plan, sample=sample)
+    batch = gpt_batches(1, 4)[0]
+    if kind == "cp":
+        batch = {"input_ids": batch[:, :-1][:, :16], "labels": batch[:, 1:][:, :16]}
+    pm.train_step(batch)
+    if _rank() == 1 and kind == "pp":  # stages replay a captured program: die at the first send of the schedule
+        import shardwise.parallel.pipeline_runner as runner
+
+        class Dying:
+            def __getattr__(self, name):
+                return getattr(dist, name)
+
+            @staticmethod
+            def isend(*args, **kwargs):
+                os._exit(3)
+
+        runner.dist = Dying()
+    elif _rank() == 1:
+        pm.module.layers[-1].register_forward_hook(lambda *args: os._exit(3))
+    result = outcome(lambda: pm.train_step(batch))
+    Path(report).write_text(json.dumps(result[:3]))
+    return result
+
+
+@pytest.mark.parametrize("kind", ["tp", "pp", "cp"])
+def test_peer_that_exits_inside_a_parallel_forward_is_named(tmp_path, kind):
+    """Before, the survivor saw gloo's raw 'Connection reset by peer'."""
+    report = tmp_path / "rank0.json"
+    with pytest.raises(sw.RankFailedError, match=r"rank 1 of 2 died with exit code 3"):
+        sw.testing.run_on_ranks(_peer_dies_inside, 2, kind, str(report), timeout=60)
+    kind_, message, seconds = json.loads(report.read_text())
+    assert kind_ == "CommunicationError" and "a peer closed its connection" in message and "rank 0:" in message, message
+    assert seconds < SLOWEST_ALLOWED_S
+    TIMES[f"peer exits inside {kind}"] = seconds
+
+
 def test_zz_report_slowest():
     """Prints the slowest multi-rank error (run with -s to see it)."""
     if TIMES:
