@@ -78,7 +78,12 @@ def parallelize(
     except Exception as exc:  # noqa: BLE001 - agreed like any problem, so no rank is left waiting
         problem = ShardwiseError(f"parallelize failed before communicating: {type(exc).__name__}: {exc}")
         problem.__cause__ = exc
-    lines = _model_signature(module, checked[0], checked[1]) if problem is None else []
+    lines = []
+    if problem is None:
+        try:
+            lines = _model_signature(module, *checked[:3])
+        except ShardwiseError as exc:
+            problem = exc
     coordinator = world_coordinator(timeout_s)
     coordinator.agree("parallelize", problem, fingerprints=[Fingerprint(
         fingerprint_of(lines), lambda: lines, ModelError,
@@ -160,11 +165,16 @@ def _with_plan_zero(config: ParallelConfig, plan: Plan) -> ParallelConfig:
     return dataclasses.replace(config, zero=plan.zero)
 
 
-def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | None) -> list[str]:
+def _model_signature(module: nn.Module, config: ParallelConfig, plan: Plan | None,
+                     resolved: ResolvedPlan | None = None) -> list[str]:
     """What every rank must share: the module's class, every parameter's and buffer's name,
-    shape and dtype, the config and the plan (one line each, compared across ranks)."""
+    shape and dtype, the config, the plan and the placements tensor-parallel rules complete
+    it with (a rule may decide differently per rank) — one line each, compared across ranks."""
     lines = [f"module {type(module).__qualname__}", f"config {config.describe()}",
              f"plan {plan.to_json() if plan is not None else None}"]
+    if resolved is not None and config.tp > 1:
+        lines += [f"rule for {path}: {sorted((k, str(v)) for k, v in placements.items())}"
+                  for path, (_, placements) in sorted(tensor_parallel_rules(module, resolved).items())]
     for name, param in module.named_parameters(remove_duplicate=False):
         lines.append(f"parameter {name} of shape {tuple(param.shape)} {param.dtype}"
                      + ("" if param.requires_grad else " (frozen)"))

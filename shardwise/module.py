@@ -206,7 +206,8 @@ class ParallelModule(nn.Module):
                           "with sw.build_optimizer(pmodel, ...) sees them; a plain torch optimizer would not update "
                           "anything", stacklevel=2)
         parts = self.config.microbatches
-        step = self.agree_on_batch("train_step", batch, parts, self._checking())
+        op = "train_step" if reduce == "mean" else f"train_step(reduce={reduce!r})"  # ranks must reduce alike
+        step = self.agree_on_batch(op, batch, parts, self._checking())
         if self.context_parallel is not None:
             self.context_parallel.reset_traffic()
         weight = 1.0 if reduce == "tokens" else step.replica_weight  # tokens: set at the last microbatch

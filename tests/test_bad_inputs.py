@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import shardwise as sw
 from parity import ADAMW, SGD, gpt_batches, make_gpt, replica_slice
@@ -519,6 +520,44 @@ class _SharedLinear(nn.Module):
         return x.pow(2).mean()
 
 
+class _RankDependentRuleLayer(nn.Linear):
+    pass
+
+
+def _rank_dependent_rule(path, module, placements):
+    if _rank() == 0:  # a rule that completes the bias's placement on one rank only
+        placements["bias"] = Shard(0)
+
+    def forward(module, x, *, tp):
+        return tp.output(torch.nn.functional.linear(tp.replicated_input(x), tp.local(module.weight),
+                                                    tp.local(module.bias)), Shard(-1))
+    return forward
+
+
+sw.plan.register_rule(_RankDependentRuleLayer, _rank_dependent_rule)
+
+
+class _WithRankDependentRule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = _RankDependentRuleLayer(4, 4)
+
+    def forward(self, x):
+        return self.layer(x).pow(2).mean()
+
+
+def _parallelized_twice_at_tp2():
+    model = make_gpt(0)
+    sw.parallelize(model, sw.ParallelConfig(tp=2), plan="gpt")
+    return sw.parallelize(model, sw.ParallelConfig(tp=2), plan="gpt")
+
+
+def _reduce_by_rank():
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig())
+    batch = gpt_batches(1, 4)[0][_rank() * 2:(_rank() + 1) * 2]
+    return float(pm.train_step(batch, reduce="sum" if _rank() == 1 else "mean"))
+
+
 def _given_by_rank(kind: str):
     """Ranks handed different values to load: each kept its own half before (issue 26)."""
     r = _rank()
@@ -697,6 +736,13 @@ RANKS2 = {
         lambda: float(sw.parallelize(_SharedLinear(), sw.ParallelConfig(tp=2),
                                      plan={"params": {"blocks.*.0.weight": "Shard(0)"}}).train_step(torch.ones(4, 4))),
         "PlanError", "Linear 'blocks.0.0' is one module used at ['blocks.0.0', 'blocks.1.0']"),
+    "a rule completing a placement on one rank only": Case(
+        lambda: sw.parallelize(_WithRankDependentRule(), sw.ParallelConfig(tp=2),
+                               plan={"params": {"layer.weight": "Shard(0)"}}), "ModelError",
+        "rank 1 has rule for layer"),
+    "parallelize twice at tp=2": Case(_parallelized_twice_at_tp2, "ModelError", "it was parallelized already"),
+    "ranks disagreeing on reduce=": Case(_reduce_by_rank, "CommunicationError",
+                                         "train_step(reduce='sum') communicate"),
     "Adafactor under ZeRO-1": Case(lambda: _optimizer_in(torch.optim.Adafactor, zero=1), "ConfigError",
                                    "Adafactor is not an element-wise optimizer"),
     "Adafactor under tp": Case(lambda: _optimizer_in(torch.optim.Adafactor, tp=2), "ConfigError",
