@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .batch import loss_of, split_batch
+from .batch import batch_size, loss_of, split_batch
 from .config import ParallelConfig
 from .errors import ConfigError
 from .tensors import tensor_leaves
@@ -176,7 +176,12 @@ def check(model: Callable | str, batches: Callable | str | list, config: Paralle
     if len(data) < steps:
         raise ConfigError(f"check: {steps} steps need {steps} batches, the batches give {len(data)}")
     data = data[:steps]
-    config.resolve(ranks)
+    replicas = config.resolve(ranks).dp
+    for i, batch in enumerate(data):
+        if batch_size(batch) % replicas:
+            raise ConfigError(f"check: batch {i} has {batch_size(batch)} samples, which the {replicas} data-parallel "
+                              f"replicas of this layout on {ranks} ranks cannot share equally; give batches whose size "
+                              f"is a multiple of {replicas}")
     want_losses, want_grads, initial, want_final = _one_process(model, data, lr, seed)
     got_losses, got_grads, got_final = run_on_ranks(_in_layout, ranks, model, data, config, plan, lr, seed)[0]
     report = CheckReport(tolerance, list(zip(want_losses, got_losses)))

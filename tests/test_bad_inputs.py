@@ -132,7 +132,17 @@ def plan_on_gpt(plan, tp: int = 2, **config):
     return lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=tp, **config), plan=plan)
 
 
+def _binary_plan_file():
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        f.write(b"\x80\x04\x95 a pickle, not JSON")
+        f.flush()
+        return sw.Plan.from_json(f.name)
+
+
 PLANS = {
+    "plan file holding binary data": Case(_binary_plan_file, "PlanError", "is not JSON text (it holds binary data)"),
     "placement without dim": Case(plan_dict({"params": {"a.weight": "Shard()"}}), "PlanError", "needs a dimension"),
     "placement unknown": Case(plan_dict({"params": {"a.weight": "Sharded(0)"}}), "PlanError", "is not a placement"),
     "replicate with argument": Case(plan_dict({"params": {"a.weight": "Replicate(1)"}}), "PlanError", "takes no argument"),
@@ -304,6 +314,40 @@ def _inner_parallelized():
     return sw.parallelize(nn.ModuleDict({"inner": inner, "head": nn.Linear(1, 1)}))
 
 
+def _load_superseded():
+    """A load whose version a concurrent save removed mid-read: said as such, not 'corrupt'."""
+    import tempfile
+
+    import shardwise.checkpoint as checkpoint
+
+    pm = sw.parallelize(Tuple())
+    with tempfile.TemporaryDirectory() as root:
+        first = sw.save_checkpoint(root, pm)
+        shutil.copytree(first, Path(root) / "v-00000000000old")  # a version that a newer save then removed
+        real, calls = checkpoint.latest, []
+
+        def stale_then_real(path):
+            calls.append(path)
+            if len(calls) == 1:
+                shutil.rmtree(Path(root) / "v-00000000000old")
+                return Path(root) / "v-00000000000old"
+            return real(path)
+
+        checkpoint.latest = stale_then_real
+        try:
+            return sw.load_checkpoint(root, pm)
+        finally:
+            checkpoint.latest = real
+
+
+def _state_dict_load(kind: str):
+    pm = sw.parallelize(Tuple())
+    state = pm.state_dict()
+    if kind == "assign":
+        return pm.load_state_dict(state, assign=True)
+    return pm.load_state_dict({"module.lin.weight": state["module.lin.weight"]})
+
+
 def _loss_without_grad():
     pm = sw.parallelize(Tuple())
     with torch.no_grad():
@@ -344,6 +388,24 @@ MODELS = {
     "state dict wrong shape": Case(lambda: sw.parallelize(Tuple()).load_full_state_dict(
         {"lin.weight": torch.zeros(2, 4), "lin.bias": torch.zeros(1)}), "CheckpointError",
         "'lin.weight' has shape (2, 4) but the model's is (1, 4)"),
+    "load of a version replaced meanwhile": Case(_load_superseded, "CheckpointError",
+                                                 "was replaced by a newer save (v-"),
+    "load_state_dict with assign=True": Case(lambda: _state_dict_load("assign"), "CheckpointError",
+                                             "load with assign=False"),
+    "load_state_dict missing a key": Case(lambda: _state_dict_load("missing"), "CheckpointError",
+                                          "missing keys ['lin.bias']"),
+    "LBFGS with whole parameters": Case(lambda: type(sw.build_optimizer(sw.parallelize(Tuple()), torch.optim.LBFGS))
+                                        .__name__, None, check=lambda v: v == "LBFGS"),
+    "group helper mixing dp and tp": Case(lambda: sw.reduce(torch.ones(2), "dp+tp", topology=sw.parallelize(
+        Tuple()).topology), "ConfigError", "mixes ranks that compute different losses"),
+    "check with batches not a list": Case(lambda: sw.check(Tuple, lambda: 3, sw.ParallelConfig(), ranks=2),
+                                          "ConfigError", "batches must be a list of batches"),
+    "check with a factory that raises": Case(lambda: sw.check(lambda: 1 / 0, [torch.ones(4, 4)] * 3,
+                                                              sw.ParallelConfig(), ranks=2),
+                                             "ConfigError", "raised ZeroDivisionError"),
+    "check with batches the replicas cannot share": Case(lambda: sw.check(Tuple, [torch.ones(3, 4)] * 3,
+                                                                          sw.ParallelConfig(), ranks=2),
+                                                         "ConfigError", "batch 0 has 3 samples, which the 2 data"),
     "state dict not a dict": Case(lambda: sw.parallelize(Tuple()).load_full_state_dict([1, 2]), "CheckpointError",
                                   "a state dict maps names to tensors"),
 }
@@ -383,6 +445,14 @@ def _huge_spec():
     return dataclasses.replace(MODELS["llama3-8b"], layers=1_000_000)
 
 
+def _spec(**changes):
+    import dataclasses
+
+    from shardwise.planner import MODELS
+
+    return dataclasses.replace(MODELS["llama3-8b"], **changes)
+
+
 def _scale_underflow():
     scaler = sw.LossScaler(init_scale=2.0 ** -120)
     for _ in range(10):
@@ -404,6 +474,12 @@ PLANNER = {  # each was accepted and planned nonsense before (issue 26)
     "model spec with a million layers": Case(lambda: sw.plan.search(_huge_spec(), sw.Cluster(gpus=8), global_batch=8,
                                                                     seq_len=2048), "ConfigError", "layers=1000000"),
     "loss scale underflow": Case(_scale_underflow, "ModelError", "the loss scale fell to"),
+    "model spec with no heads": Case(lambda: _spec(heads=0), "ConfigError", "ModelSpec(heads=0) must be a positive"),
+    "model spec with an unknown mlp": Case(lambda: _spec(mlp="relu"), "ConfigError", "mlp is 'gelu' or 'swiglu'"),
+    "gpus_per_node bool": Case(cluster(gpus_per_node=True), "ConfigError", "gpus_per_node=True must be a positive"),
+    "memory_fraction nan": Case(cluster(memory_fraction=float("nan")), "ConfigError", "memory_fraction=nan must be"),
+    "memory_fraction 1.5": Case(cluster(memory_fraction=1.5), "ConfigError", "memory_fraction=1.5 must be in (0, 1]"),
+    "global_batch zero": Case(search(global_batch=0), "ConfigError", "global_batch=0 must be a positive integer"),
     "override kept": Case(lambda: sw.Cluster(gpus=8, memory_bytes=40e9).spec.memory_bytes, None, check=lambda v: v == 40e9),
 }
 
@@ -574,6 +650,8 @@ def _given_by_rank(kind: str):
     model(gpt_batches(1, 4)[0]).backward()
     opt.step()
     state = opt.state_dict()
+    if kind.endswith("string"):
+        next(iter(state["state"].values()))["step"] = "three"
     if kind.endswith("float step"):  # torch's loader accepts a number; so do we
         for entry in state["state"].values():
             entry["step"] = float(entry["step"])
@@ -720,6 +798,8 @@ RANKS2 = {
                                                     "were given different values"),
     "replicas given different optimizer states": Case(lambda: _given_by_rank("dp optimizer"), "CheckpointError",
                                                       "every rank must load the same optimizer state"),
+    "optimizer state holding a string": Case(lambda: _given_by_rank("dp optimizer string"), "CheckpointError",
+                                             "is a str; shardwise loads tensor state"),
     "optimizer state with a float step": Case(lambda: _given_by_rank("dp optimizer float step"), None,
                                               check=lambda v: v == "loaded"),
     "tokens: a negative count": Case(lambda: _tokens(lambda r, i: -3 if r == 1 else 3), "ModelError",

@@ -247,15 +247,16 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         return None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     states: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
-    reader, problem = None, None
+    reader, problem, version = None, None, None
     try:
-        reader = Reader(latest(path))
+        version = latest(path)
+        reader = Reader(version)
         _check_same_model(reader, pmodel, optimizer)
         reader.validate(range(topology.rank, reader.meta["world_size"], topology.world_size))  # each file, by one rank
         _stage(reader, pmodel, optimizer, staged, states)
         extra = reader.extra(topology.rank, topology.world_size)
     except CheckpointError as exc:
-        problem = exc
+        problem = _superseded(path, version) or exc
     topology.coordinator.agree("load_checkpoint", problem)
 
     with topology.coordinator.body("load_checkpoint"), torch.no_grad():  # commit: every rank has what it needs
@@ -273,6 +274,19 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
         if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
             _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
     return extra
+
+
+def _superseded(path: Path, version: Path | None) -> CheckpointError | None:
+    """A load whose version disappeared while it read: a save since then replaced it (it is
+    not corrupt); None if that is not what happened."""
+    if version is None or version.exists():
+        return None
+    try:
+        now = latest(path)
+    except CheckpointError:
+        return None
+    return CheckpointError(f"checkpoint {str(version)!r} was replaced by a newer save ({now.name}) while it was being "
+                           "loaded (another job or process saves into this directory); load again")
 
 
 def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> None:
