@@ -1,5 +1,9 @@
-"""Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data;
-`search` finds one automatically (shardwise/planner/)."""
+"""Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data.
+
+`sw.plan.search` (the planner, shardwise/planner/) and `sw.plan.register_rule` /
+`RuleContext` (tensor parallelism's rules, parallel/tensor_rules.py) are part of this
+namespace for users, but live in the layers above plans, which import this package: the
+top-level package puts them here (shardwise/__init__.py), so no import runs upward."""
 
 from __future__ import annotations
 
@@ -7,11 +11,9 @@ from pathlib import Path
 
 from ..config import ParallelConfig
 from ..errors import PlanError
-from ..planner.search import search
 from .named import zoo
 from .plan import Conversion, Plan, parse_placement, placement_str, shard_dim
 from .resolve import ResolvedPlan, resolve_plan
-from ..parallel.tensor_rules import RuleContext, register_rule
 
 __all__ = ["Conversion", "Plan", "ResolvedPlan", "RuleContext", "as_plan", "parse_placement", "placement_str",
            "register_rule", "resolve_plan", "search", "shard_dim", "zoo"]

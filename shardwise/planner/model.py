@@ -137,7 +137,7 @@ def _counts_from_module(module: nn.Module, spec: ModelSpec) -> ModelSpec:
     """`spec` with parameter counts read from `module`: each parameter once, sharded when
     the zoo plan places it, and by position around the layer list."""
     from ..config import ParallelConfig
-    from ..plan import zoo
+    from ..plan.named import zoo
     from ..plan.resolve import resolve_plan
     from ..plan.stages import layer_list
 

@@ -95,7 +95,8 @@ class Candidate:
 def plan_for(spec: ModelSpec, config: ParallelConfig, virtual: int = 1):
     """The model's zoo plan for `config` (tensor and sequence parallel placements) when tp > 1,
     else a plain Plan; with `virtual` > 1 pipeline stages per rank."""
-    from ..plan import Plan, zoo
+    from ..plan.named import zoo
+    from ..plan.plan import Plan
 
     stages = {"virtual_stages": virtual} if virtual > 1 else {}
     if config.tp > 1 and spec.plan in zoo:
