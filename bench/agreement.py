@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     measured = {n: sw.testing.run_on_ranks(_measure, n, args.iters)[0] for n in (2, 4)}
     alpha = measured[2]["p2p exchange"]
-    print(f"measured on local gloo (2 cores), median microseconds per call:")
+    print("measured on local gloo (2 cores), median microseconds per call:")
     print(f"{'ranks':>6} {'p2p exchange':>13} {'agreement':>10} {'all_reduce':>11} {'all_gather':>11}")
     for n, m in measured.items():
         print(f"{n:>6} {m.get('p2p exchange', float('nan')):>13.0f} {m['shardwise agreement']:>10.0f} "

@@ -2,8 +2,8 @@
 
 It runs the module: `forward`, `train_step` (microbatches accumulate in the gradient
 buckets; the last backward, or each pipeline stage's last, reduces them), `infer_step`,
-`no_sync`. Whole-model state dicts are in `state.py`, memory and summaries in `report.py`;
-the methods here delegate to them.
+`no_sync`. The step's batch agreement and microbatch loop are in `step.py`, whole-model
+state dicts in `state.py`, memory and summaries in `report.py`; the methods here delegate.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
-from .batch import batch_signature, batch_size, loss_of, map_tensors, split_batch, to_device
-from .coordination import Fingerprint, _agreed, fingerprint_of
-from .errors import BatchError, CheckpointError, ConfigError, ModelError, PlanError, ShardwiseError
+from .batch import batch_signature, map_tensors, to_device
+from .coordination import Fingerprint, fingerprint_of
+from .errors import BatchError, CheckpointError, ConfigError, ModelError
 from .groups import running
 from .parallel.buffers import BufferBroadcast
 from .parallel.context import ContextParallel
@@ -33,8 +31,9 @@ from .parallel.zero import OptimizerParams
 from .parallel.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
-from .step_output import StepOutput, check_reduce, concatenated, detached, tokens_of
-from .tensors import is_sharded, local, tensor_leaves
+from .step import MicrobatchLosses, StepBatch, agree_on_batch
+from .step_output import StepOutput, check_reduce, concatenated
+from .tensors import local, tensor_leaves
 from .topology import Topology
 
 
@@ -68,8 +67,7 @@ class ParallelModule(nn.Module):
         self.steps = 0  # train_step calls, saved in checkpoints
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
-        self._replicated_grads_checked = False
-        self._loss_sharded: bool | None = None  # the loss is computed on tp-sharded activations (_tp_loss_share)
+        self.losses = MicrobatchLosses(self)  # the microbatch loop of a step without a pipeline (step.py)
 
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:
@@ -78,7 +76,7 @@ class ParallelModule(nn.Module):
         tp = self.tensor_parallel
         return loss_parallel() if tp is not None and tp.loss_parallel else contextlib.nullcontext()
 
-    def _prepare(self, batch: Any) -> Any:
+    def prepare(self, batch: Any) -> Any:
         """The batch on this rank's device; floating tensors in `param_dtype` under mixed precision."""
         batch = to_device(batch, self.topology.device)
         dtype = self.config.param_dtype
@@ -123,49 +121,9 @@ class ParallelModule(nn.Module):
         """Agreement between this topology's ranks before each collective operation."""
         return self.topology.coordinator
 
-    def agree_on_batch(self, op: str, batch: Any, parts: int, check: bool) -> "StepBatch":
-        """Validate and split `batch`, agree with every rank, and return it (on this rank's
-        device; under cp this rank's part of the sequence), its microbatches and the weights
-        of this replica and of this rank's microbatch losses (see `StepBatch`).
-
-        On check steps every rank gathers every rank's operation, problem and sample count,
-        and peers that must hold the same batch (tp, cp, pp) compare its fingerprint; on
-        other steps only the data-parallel ranks combine their sample counts."""
-        problem, whole, microbatches, samples, loss_weights = None, batch, [], 0, None
-        try:
-            whole = batch = self._prepare(batch)
-            samples = batch_size(batch)
-            if self.context_parallel is not None:
-                batch = self.context_parallel.shard(whole)
-                loss_weights = self.context_parallel.loss_weights(whole, parts)
-            microbatches = split_batch(batch, parts)
-        except ShardwiseError as exc:
-            problem = exc
-        topology = self.topology
-        if topology.world_size == 1:
-            if problem is not None:
-                raise problem
-            return StepBatch(batch, microbatches, 1.0, loss_weights)
-        replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
-        if check:
-            lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
-            leader = topology.rank in replicas  # counts its replica's samples once
-            agreement = self.coordinator.agree(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
-                fingerprint_of(lines), lambda: lines, BatchError,
-                "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
-                "sw.data_parallel_info(pmodel), not by global rank", peers=topology.peer_groups("pp", "cp", "tp"))])
-            total = agreement.total
-        else:
-            if problem is not None:
-                raise problem
-            total = samples * len(replicas)
-            if len(replicas) > 1:
-                counted = torch.tensor([samples], dtype=torch.float64, device=topology.device)
-                dp = topology.group("dp")
-                self.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
-                total = int(counted.item())
-        return StepBatch(batch, microbatches, samples * len(replicas) / total,  # exactly 1.0 when replicas are equal
-                         loss_weights)
+    def agree_on_batch(self, op: str, batch: Any, parts: int, check: bool) -> StepBatch:
+        """The step's batch checked, split and agreed with every rank (step.py)."""
+        return agree_on_batch(self, op, batch, parts, check)
 
     def _checking(self) -> bool:
         return (self.steps - 1) % self.config.check_every == 0
@@ -219,7 +177,7 @@ class ParallelModule(nn.Module):
                                                      self.loss_scaler.scale if self.loss_scaler else 1.0, reduce)
                 gradients.loss(local)
             else:
-                local, kept, tokens = self._accumulate(step, gradients, reduce, outputs)
+                local, kept, tokens = self.losses.accumulate(step, gradients, reduce, outputs)
             mean = gradients.finish(local)
             self.broadcast_buffers()
         if gradients.syncing:
@@ -227,86 +185,6 @@ class ParallelModule(nn.Module):
         if tokens is not None:
             mean, tokens = tokens[0] / tokens[1], int(tokens[1])
         return StepOutput(mean, concatenated(kept), tokens) if outputs else mean
-
-    def _accumulate(self, step: "StepBatch", gradients, reduce: str, keep: bool):
-        """Forward and backward of each microbatch (no pipeline); returns this replica's loss
-        as `reduce` combines it, the kept outputs, and under "tokens" (Σ loss·n, Σ n) over
-        every replica, which also sets the replicas' gradient weight before the last backward."""
-        losses, kept, counts, tokens = [], [], [], None
-        parts = len(step.microbatches)
-        for i, microbatch in enumerate(step.microbatches):
-            with gradients.microbatch(last=i == parts - 1):
-                out = self.run_module(microbatch)
-                loss = loss_of(out)
-                if self.tensor_parallel is not None and self._tp_loss_share(loss) != 1.0:
-                    loss = loss * self._tp_loss_share(loss)  # this shard's share of the whole loss
-                if step.loss_weights is not None:
-                    loss = loss * step.loss_weights[i]
-                if reduce == "tokens":
-                    counts.append(tokens_of(out).to(loss.device))
-                    loss = loss * counts[-1]  # its gradient is 0 where the count is (a mean over no tokens is NaN)
-                if keep:
-                    kept.append(detached(out))
-                losses.append(loss.detach() if reduce != "tokens" else torch.where(counts[-1] > 0, loss.detach(), 0.0))
-                stacked = torch.stack(losses).float()
-                local = stacked.mean() if reduce == "mean" else stacked.sum()
-                if i == parts - 1:  # averaged over replicas along with the gradients
-                    if self._loss_sharded:  # the shards' shares summed: the whole loss on every tp rank
-                        local = self._sum_over_tp(local)
-                    if reduce == "tokens":
-                        tokens = self._token_totals(local, torch.stack(counts))
-                    gradients.loss(local)
-                scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
-                (scaled / parts if reduce == "mean" and parts > 1 else scaled).backward()
-        return local, kept, tokens
-
-    def _tp_loss_share(self, loss: torch.Tensor) -> float:
-        """1 for a loss every tp rank computes whole; 1/tp for one computed on activations the
-        plan leaves sharded (each rank's is a mean over its shard): decided on the first
-        forward by comparing the ranks' values. Replicated computations on identical inputs
-        agree to rounding (a kernel's reduction order: ~1e-6 of the value in float32, far less
-        with deterministic kernels); means over disjoint shards differ by far more than the
-        1e-4 threshold. The whole loss is then the mean of the shards' (equal shards, as
-        sequence parallelism makes them)."""
-        if self._loss_sharded is None:
-            tp = self.tensor_parallel
-            values = funcol.wait_tensor(funcol.all_gather_single(local(loss.detach()).float().reshape(1), 0, tp.group))
-            spread = float(values.max() - values.min())
-            self._loss_sharded = spread > 1e-4 * max(float(values.abs().max()), 1e-30)
-        return 1.0 / self.tensor_parallel.size if self._loss_sharded else 1.0
-
-    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
-        total = value.detach().clone().to(self.topology.device)
-        tp = self.tensor_parallel.group
-        self.coordinator.wait(dist.all_reduce(total, group=tp, async_op=True), "train_step: sharded loss over tp", tp)
-        return total
-
-    def _token_totals(self, weighted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ loss·n, Σ n) over every replica; the gradients, which hold Σ n·∇loss, are
-        weighted replicas/Σn so that their mean over replicas is ∇(Σ loss·n / Σ n)."""
-        bad = (~torch.isfinite(counts) | (counts < 0)).sum()
-        totals = torch.stack([weighted.float(), counts.sum().float(), bad.float()]).to(self.topology.device)
-        replicas = self.topology.size("dp")
-        if replicas > 1:
-            dp = self.topology.group("dp")
-            self.coordinator.wait(dist.all_reduce(totals, group=dp, async_op=True), "train_step: token counts", dp)
-        if self.topology.size("tp") > 1:  # peers must weigh alike, or replicated parameters drift apart
-            spread = torch.stack([totals[1], -totals[1]])
-            tp = self.topology.group("tp")
-            self.coordinator.wait(dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=tp, async_op=True),
-                                  "train_step: token counts over tp", tp)
-            if float(spread[0]) != -float(spread[1]):
-                raise _agreed(ModelError, f"train_step(reduce='tokens'): tensor-parallel peers counted different "
-                                          f"token totals ({-float(spread[1]):g} to {float(spread[0]):g}); count tokens "
-                                          "from the batch (e.g. labels != -100), not from sharded activations")
-        if float(totals[2]) > 0:
-            raise _agreed(ModelError, f"train_step(reduce='tokens'): {int(totals[2])} microbatch(es) returned a negative "
-                                      "or non-finite num_tokens; return the count of tokens the loss averages over")
-        if float(totals[1]) <= 0:
-            raise _agreed(ModelError, f"train_step(reduce='tokens'): the step's batches hold {float(totals[1]):g} tokens in all; "
-                             "the loss is a mean over tokens, so there must be some")
-        self.gradients.replica_weight = replicas / float(totals[1])
-        return totals[0], totals[1]
 
     @contextlib.contextmanager
     def in_step(self, op: str) -> Iterator[None]:
@@ -320,7 +198,7 @@ class ParallelModule(nn.Module):
         replicated tp gradients."""
         if self.param_shards is not None:
             self.param_shards.release_all()
-        self._check_replicated_grads()
+        self.losses.check_replicated_grads()
 
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
@@ -354,29 +232,6 @@ class ParallelModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (to None by default), keeping the gradient buckets consistent."""
         self.gradients.zero_grad(set_to_none)
-
-    def _check_replicated_grads(self) -> None:
-        """Once, after the first synchronized step: replicated parameters must have the same
-        gradient on every tp rank. One that does not runs on sharded activations without the
-        plan saying so, and would silently drift apart; name it instead."""
-        if self._replicated_grads_checked or self.tensor_parallel is None:
-            return
-        self._replicated_grads_checked = True
-        tp = self.tensor_parallel
-        named = [(n, p) for n, p in self.module.named_parameters()
-                 if p.grad is not None and not is_sharded(p) and id(p) not in tp.partial_grad_params]
-        if not named:
-            return
-        mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])
-        gathered = funcol.wait_tensor(funcol.all_gather_single(mine, 0, tp.group)).view(tp.size, len(named))
-        spread = (gathered.max(0).values - gathered.min(0).values) / gathered.abs().max(0).values.clamp_min(1e-30)
-        bad = [name for (name, _), s in zip(named, spread.tolist()) if s > 1e-3]
-        if bad:
-            raise PlanError(
-                f"replicated parameters {bad[:6]} have different gradients on different tp ranks: their modules run "
-                "on sharded activations. Declare that in the plan (e.g. '<module>.input': [[Shard(1)]] for a norm "
-                "under sequence parallelism) so their partial gradients are summed over tp"
-            )
 
     # state dicts ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -458,18 +313,6 @@ class ParallelModule(nn.Module):
         `batch`, also the activation bytes one microbatch saves for backward (collective then:
         every rank calls it, as sw.activation_memory)."""
         return report.summary(self, batch)
-
-
-class StepBatch(NamedTuple):
-    """A batch agreed for one step: `batch` on this rank's device (under cp, this rank's part
-    of each sequence), its `microbatches`, this replica's weight relative to an equal share
-    (n_replica * dp / n_global), and under cp the factor of each microbatch's loss (see
-    `ContextParallel.loss_weights`; None without cp)."""
-
-    batch: Any
-    microbatches: list[Any]
-    replica_weight: float
-    loss_weights: list[float] | None
 
 
 class DataParallelInfo(NamedTuple):

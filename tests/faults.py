@@ -33,7 +33,9 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.tensor as tensor
 
     if name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
-        module.ParallelModule._tp_loss_share = lambda self, loss: 1.0
+        import shardwise.step as step
+
+        step.MicrobatchLosses.tp_loss_share = lambda self, loss: 1.0
     elif name == "dp-gather-pass-through":  # sw.gather/reduce over dp with DTensor's same-loss backward
         import shardwise.groups as groups
 
@@ -59,9 +61,11 @@ def inject(name: str, config: dict) -> None:
 
         data.dist = NoAllReduce()
     elif name == "microbatch-sum":  # microbatch losses summed, not averaged
-        original = module.loss_of
+        import shardwise.step as step
+
+        original = step.loss_of
         parts = config.get("microbatches", 1)
-        module.loss_of = pipeline.loss_of = lambda *args, **kwargs: original(*args, **kwargs) * parts
+        step.loss_of = pipeline.loss_of = lambda *args, **kwargs: original(*args, **kwargs) * parts
     elif name == "tp-partial-not-summed":  # a norm's partial gradient under sequence parallelism left partial
         original = tensor.apply_tensor_parallel
 

@@ -1,0 +1,203 @@
+"""One training step without a pipeline, between `ParallelModule.train_step`'s agreement and
+its gradient synchronization: the batch checked, split and agreed (`agree_on_batch`), then
+each microbatch's forward and backward with its loss combined as `reduce` says over
+microbatches, tensor-parallel shards and replicas (`MicrobatchLosses`).
+
+Loss reductions (step_output.py says what the user sees):
+- "mean": microbatch losses averaged, replicas weighted by their sample counts;
+- "sum": summed over microbatches;
+- "tokens": each microbatch's mean loss weighted by the tokens it counts, over every replica;
+- a loss the tp ranks compute on activations the plan leaves sharded is the mean of the shards'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .batch import batch_signature, batch_size, loss_of, split_batch
+from .coordination import Fingerprint, _agreed, fingerprint_of
+from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .step_output import detached, tokens_of
+from .tensors import is_sharded, local
+
+if TYPE_CHECKING:
+    from .module import ParallelModule
+
+
+class StepBatch(NamedTuple):
+    """A batch agreed for one step: `batch` on this rank's device (under cp, this rank's part
+    of each sequence), its `microbatches`, this replica's weight relative to an equal share
+    (n_replica * dp / n_global), and under cp the factor of each microbatch's loss (see
+    `ContextParallel.loss_weights`; None without cp)."""
+
+    batch: Any
+    microbatches: list[Any]
+    replica_weight: float
+    loss_weights: list[float] | None
+
+
+def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, check: bool) -> StepBatch:
+    """Validate and split `batch`, agree with every rank, and return it (on this rank's
+    device; under cp this rank's part of the sequence), its microbatches and the weights of
+    this replica and of this rank's microbatch losses.
+
+    On check steps every rank agrees on the operation, any problem and the sample total, and
+    peers that must hold the same batch (tp, cp, pp) compare its fingerprint; on other steps
+    only the data-parallel ranks combine their sample counts."""
+    problem, whole, microbatches, samples, loss_weights = None, batch, [], 0, None
+    try:
+        whole = batch = pmodel.prepare(batch)
+        samples = batch_size(batch)
+        if pmodel.context_parallel is not None:
+            batch = pmodel.context_parallel.shard(whole)
+            loss_weights = pmodel.context_parallel.loss_weights(whole, parts)
+        microbatches = split_batch(batch, parts)
+    except ShardwiseError as exc:
+        problem = exc
+    topology = pmodel.topology
+    if topology.world_size == 1:
+        if problem is not None:
+            raise problem
+        return StepBatch(batch, microbatches, 1.0, loss_weights)
+    replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
+    if check:
+        lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
+        leader = topology.rank in replicas  # counts its replica's samples once
+        agreement = pmodel.coordinator.agree(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
+            fingerprint_of(lines), lambda: lines, BatchError,
+            "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
+            "sw.data_parallel_info(pmodel), not by global rank", peers=topology.peer_groups("pp", "cp", "tp"))])
+        total = agreement.total
+    else:
+        if problem is not None:
+            raise problem
+        total = samples * len(replicas)
+        if len(replicas) > 1:
+            counted = torch.tensor([samples], dtype=torch.float64, device=topology.device)
+            dp = topology.group("dp")
+            pmodel.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
+            total = int(counted.item())
+    return StepBatch(batch, microbatches, samples * len(replicas) / total,  # exactly 1.0 when replicas are equal
+                     loss_weights)
+
+
+class MicrobatchLosses:
+    """The microbatch loop of a step without a pipeline, and what it learns once per model: whether
+    its loss is computed on tp-sharded activations, and that replicated parameters get the same
+    gradient on every tp rank (checked after the first synchronized step)."""
+
+    def __init__(self, pmodel: "ParallelModule"):
+        self.pmodel = pmodel
+        self.loss_sharded: bool | None = None  # decided on the first forward (tp_loss_share)
+        self.replicated_grads_checked = False
+
+    def accumulate(self, step: StepBatch, gradients, reduce: str, keep: bool):
+        """Forward and backward of each microbatch; returns this replica's loss as `reduce`
+        combines it, the kept outputs, and under "tokens" (Σ loss·n, Σ n) over every replica,
+        which also sets the replicas' gradient weight before the last backward."""
+        pmodel = self.pmodel
+        losses, kept, counts, tokens = [], [], [], None
+        parts = len(step.microbatches)
+        for i, microbatch in enumerate(step.microbatches):
+            with gradients.microbatch(last=i == parts - 1):
+                out = pmodel.run_module(microbatch)
+                loss = loss_of(out)
+                if pmodel.tensor_parallel is not None and self.tp_loss_share(loss) != 1.0:
+                    loss = loss * self.tp_loss_share(loss)  # this shard's share of the whole loss
+                if step.loss_weights is not None:
+                    loss = loss * step.loss_weights[i]
+                if reduce == "tokens":
+                    counts.append(tokens_of(out).to(loss.device))
+                    loss = loss * counts[-1]  # its gradient is 0 where the count is (a mean over no tokens is NaN)
+                if keep:
+                    kept.append(detached(out))
+                losses.append(loss.detach() if reduce != "tokens" else torch.where(counts[-1] > 0, loss.detach(), 0.0))
+                stacked = torch.stack(losses).float()
+                replica_loss = stacked.mean() if reduce == "mean" else stacked.sum()
+                if i == parts - 1:  # averaged over replicas along with the gradients
+                    if self.loss_sharded:  # the shards' shares summed: the whole loss on every tp rank
+                        replica_loss = self._sum_over_tp(replica_loss)
+                    if reduce == "tokens":
+                        tokens = self.token_totals(replica_loss, torch.stack(counts))
+                    gradients.loss(replica_loss)
+                scaler = pmodel.loss_scaler
+                scaled = loss.float() * scaler.scale if scaler is not None else loss
+                (scaled / parts if reduce == "mean" and parts > 1 else scaled).backward()
+        return replica_loss, kept, tokens
+
+    def tp_loss_share(self, loss: torch.Tensor) -> float:
+        """1 for a loss every tp rank computes whole; 1/tp for one computed on activations the
+        plan leaves sharded (each rank's is a mean over its shard): decided on the first
+        forward by comparing the ranks' values. Replicated computations on identical inputs
+        agree to rounding (a kernel's reduction order: ~1e-6 of the value in float32, far less
+        with deterministic kernels); means over disjoint shards differ by far more than the
+        1e-4 threshold. The whole loss is then the mean of the shards' (equal shards, as
+        sequence parallelism makes them)."""
+        tp = self.pmodel.tensor_parallel
+        if self.loss_sharded is None:
+            values = funcol.wait_tensor(funcol.all_gather_single(local(loss.detach()).float().reshape(1), 0, tp.group))
+            spread = float(values.max() - values.min())
+            self.loss_sharded = spread > 1e-4 * max(float(values.abs().max()), 1e-30)
+        return 1.0 / tp.size if self.loss_sharded else 1.0
+
+    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone().to(self.pmodel.topology.device)
+        tp = self.pmodel.tensor_parallel.group
+        self.pmodel.coordinator.wait(dist.all_reduce(total, group=tp, async_op=True), "train_step: sharded loss over tp",
+                                     tp)
+        return total
+
+    def token_totals(self, weighted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss·n, Σ n) over every replica; the gradients, which hold Σ n·∇loss, are
+        weighted replicas/Σn so that their mean over replicas is ∇(Σ loss·n / Σ n)."""
+        topology, coordinator = self.pmodel.topology, self.pmodel.coordinator
+        bad = (~torch.isfinite(counts) | (counts < 0)).sum()
+        totals = torch.stack([weighted.float(), counts.sum().float(), bad.float()]).to(topology.device)
+        replicas = topology.size("dp")
+        if replicas > 1:
+            dp = topology.group("dp")
+            coordinator.wait(dist.all_reduce(totals, group=dp, async_op=True), "train_step: token counts", dp)
+        if topology.size("tp") > 1:  # peers must weigh alike, or replicated parameters drift apart
+            spread = torch.stack([totals[1], -totals[1]])
+            tp = topology.group("tp")
+            coordinator.wait(dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=tp, async_op=True),
+                             "train_step: token counts over tp", tp)
+            if float(spread[0]) != -float(spread[1]):
+                raise _agreed(ModelError, f"train_step(reduce='tokens'): tensor-parallel peers counted different "
+                                          f"token totals ({-float(spread[1]):g} to {float(spread[0]):g}); count tokens "
+                                          "from the batch (e.g. labels != -100), not from sharded activations")
+        if float(totals[2]) > 0:
+            raise _agreed(ModelError, f"train_step(reduce='tokens'): {int(totals[2])} microbatch(es) returned a negative "
+                                      "or non-finite num_tokens; return the count of tokens the loss averages over")
+        if float(totals[1]) <= 0:
+            raise _agreed(ModelError, f"train_step(reduce='tokens'): the step's batches hold {float(totals[1]):g} tokens "
+                                      "in all; the loss is a mean over tokens, so there must be some")
+        self.pmodel.gradients.replica_weight = replicas / float(totals[1])
+        return totals[0], totals[1]
+
+    def check_replicated_grads(self) -> None:
+        """Once, after the first synchronized step: replicated parameters must have the same
+        gradient on every tp rank. One that does not runs on sharded activations without the
+        plan saying so, and would silently drift apart; name it instead."""
+        tp = self.pmodel.tensor_parallel
+        if self.replicated_grads_checked or tp is None:
+            return
+        self.replicated_grads_checked = True
+        named = [(n, p) for n, p in self.pmodel.module.named_parameters()
+                 if p.grad is not None and not is_sharded(p) and id(p) not in tp.partial_grad_params]
+        if not named:
+            return
+        mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])
+        gathered = funcol.wait_tensor(funcol.all_gather_single(mine, 0, tp.group)).view(tp.size, len(named))
+        spread = (gathered.max(0).values - gathered.min(0).values) / gathered.abs().max(0).values.clamp_min(1e-30)
+        bad = [name for (name, _), s in zip(named, spread.tolist()) if s > 1e-3]
+        if bad:
+            raise PlanError(
+                f"replicated parameters {bad[:6]} have different gradients on different tp ranks: their modules run "
+                "on sharded activations. Declare that in the plan (e.g. '<module>.input': [[Shard(1)]] for a norm "
+                "under sequence parallelism) so their partial gradients are summed over tp"
+            )
