@@ -141,8 +141,31 @@ def _binary_plan_file():
         return sw.Plan.from_json(f.name)
 
 
+class _RuleRaisingByRank(nn.Linear):
+    pass
+
+
+def _raise_by_rank(path, module, placements):
+    raise sw.PlanError(f"rank {_rank()} refuses {path}")
+
+
+sw.plan.register_rule(_RuleRaisingByRank, _raise_by_rank)
+
+
+class _WithRuleRaisingByRank(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = _RuleRaisingByRank(4, 4)
+
+    def forward(self, x):
+        return self.layer(x).pow(2).mean()
+
+
 PLANS = {
-    "plan file holding binary data": Case(_binary_plan_file, "PlanError", "is not JSON text (it holds binary data)"),
+    "a rule for nn.Linear itself": Case(lambda: sw.plan.register_rule(nn.Linear, lambda *a: None), "PlanError",
+                                        "register_rule(Linear): shardwise has a built-in rule for it"),
+    "a rule for nn.Embedding itself": Case(lambda: sw.plan.register_rule(nn.Embedding, lambda *a: None), "PlanError",
+                                           "register_rule(Embedding): shardwise has a built-in rule"),    "plan file holding binary data": Case(_binary_plan_file, "PlanError", "is not JSON text (it holds binary data)"),
     "placement without dim": Case(plan_dict({"params": {"a.weight": "Shard()"}}), "PlanError", "needs a dimension"),
     "placement unknown": Case(plan_dict({"params": {"a.weight": "Sharded(0)"}}), "PlanError", "is not a placement"),
     "replicate with argument": Case(plan_dict({"params": {"a.weight": "Replicate(1)"}}), "PlanError", "takes no argument"),
@@ -820,6 +843,12 @@ RANKS2 = {
         lambda: sw.parallelize(_WithRankDependentRule(), sw.ParallelConfig(tp=2),
                                plan={"params": {"layer.weight": "Shard(0)"}}), "ModelError",
         "rank 1 has rule for layer"),
+    "a rule refusing with a rank-dependent message": Case(
+        lambda: sw.parallelize(_WithRuleRaisingByRank(), sw.ParallelConfig(tp=2),
+                               plan={"params": {"layer.weight": "Shard(0)"}}), "PlanError", "rank 0 refuses layer"),
+    "parts naming a ParallelModule": Case(
+        lambda: sw.parallelize(nn.ModuleDict({"inner": sw.parallelize(Tuple()), "head": nn.Linear(1, 1)}),
+                               parts=["inner"]), "ModelError", "its submodule 'inner' was parallelized already"),
     "parallelize twice at tp=2": Case(_parallelized_twice_at_tp2, "ModelError", "it was parallelized already"),
     "ranks disagreeing on reduce=": Case(_reduce_by_rank, "CommunicationError",
                                          "train_step(reduce='sum') communicate"),

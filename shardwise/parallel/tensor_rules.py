@@ -127,6 +127,11 @@ def register_rule(module_class: type, rule: Any = None) -> Any:
     may differ, needs its own."""
     if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
         raise PlanError(f"register_rule: {module_class!r} is not an nn.Module class")
+    if module_class in (nn.Linear, nn.Embedding) or module_class.__name__ == "Conv1D":
+        raise PlanError(f"register_rule({module_class.__name__}): shardwise has a built-in rule for it (column/row "
+                        "or vocabulary/feature parallel, as the plan places the weight), and a rule on this class "
+                        "would change every such layer in the process, other libraries' included. Register the rule "
+                        f"on a subclass of {module_class.__name__} and build the layers you mean with it")
 
     def attach(fn: Any) -> Any:
         if not callable(fn):
