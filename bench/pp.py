@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 import shardwise as sw
-from shardwise.parallel.pipeline import PipelineStats
+from shardwise.parallel.pipeline.stages import PipelineStats
 
 SCHEDULES = list(sw.config.SCHEDULES)
 

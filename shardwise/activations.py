@@ -178,7 +178,7 @@ def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tenso
     if pipeline is None:
         with creations:
             return [loss_of(pmodel.run_module(microbatch))]
-    from .parallel.stage_program import StageModule
+    from .parallel.pipeline.program import StageModule
 
     compiled = pipeline.compiled(microbatch)
     kept = []

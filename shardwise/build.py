@@ -28,17 +28,17 @@ from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
-from .parallel.context import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
+from .parallel.context.sequence import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
 from .groups import running
-from .parallel.buffers import BufferBroadcast, sync_batchnorm
-from .parallel.data import apply_data_parallel
-from .parallel.pipeline import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.data.buffers import BufferBroadcast, sync_batchnorm
+from .parallel.data.gradients import apply_data_parallel
+from .parallel.pipeline.stages import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
-from .parallel.stage_program import capture_module, split
-from .parallel.tensor import apply_tensor_parallel
-from .parallel.tensor_rules import tensor_parallel_rules
-from .parallel.zero import OptimizerParams
-from .parallel.zero3 import ParameterShards
+from .parallel.pipeline.program import capture_module, split
+from .parallel.tensor.sharding import apply_tensor_parallel
+from .parallel.tensor.rules import tensor_parallel_rules
+from .parallel.data.zero import OptimizerParams
+from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layout_stages
 from .state import ModelIndex

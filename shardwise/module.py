@@ -22,13 +22,13 @@ from .batch import batch_signature, map_tensors, to_device
 from .coordination import Fingerprint, fingerprint_of
 from .errors import BatchError, CheckpointError, ConfigError, ModelError
 from .groups import running
-from .parallel.buffers import BufferBroadcast
-from .parallel.context import ContextParallel
-from .parallel.data import GradientBuckets
-from .parallel.pipeline import Pipeline
-from .parallel.tensor import TensorParallel
-from .parallel.zero import OptimizerParams
-from .parallel.zero3 import ParameterShards
+from .parallel.data.buffers import BufferBroadcast
+from .parallel.context.sequence import ContextParallel
+from .parallel.data.gradients import GradientBuckets
+from .parallel.pipeline.stages import Pipeline
+from .parallel.tensor.sharding import TensorParallel
+from .parallel.data.zero import OptimizerParams
+from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
 from .step import MicrobatchLosses, StepBatch, agree_on_batch

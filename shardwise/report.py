@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .activations import activation_memory
-from .parallel.data import MiB
+from .parallel.data.gradients import MiB
 from .tensors import local
 
 if TYPE_CHECKING:

@@ -26,11 +26,11 @@ def from_environment() -> str | None:
 def inject(name: str, config: dict) -> None:
     import shardwise.build as build
     import shardwise.module as module
-    import shardwise.parallel.context as context
-    import shardwise.parallel.data as data
-    import shardwise.parallel.pipeline as pipeline
+    import shardwise.parallel.context.sequence as context
+    import shardwise.parallel.data.gradients as data
+    import shardwise.parallel.pipeline.stages as pipeline
     import shardwise.parallel.recompute as recompute
-    import shardwise.parallel.tensor as tensor
+    import shardwise.parallel.tensor.sharding as tensor
 
     if name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
         import shardwise.step as step

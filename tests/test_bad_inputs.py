@@ -1262,7 +1262,7 @@ def _peer_dies_inside(kind: str, report: str):
         batch = {"input_ids": batch[:, :-1][:, :16], "labels": batch[:, 1:][:, :16]}
     pm.train_step(batch)
     if _rank() == 1 and kind == "pp":  # stages replay a captured program: die at the first send of the schedule
-        import shardwise.parallel.pipeline_runner as runner
+        import shardwise.parallel.pipeline.runner as runner
 
         class Dying:
             def __getattr__(self, name):

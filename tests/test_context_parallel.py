@@ -19,7 +19,7 @@ import shardwise as sw
 from parity import Case, compare_cases, corpus_batches, make_gpt
 from shardwise.errors import BatchError, ModelError
 from shardwise.models import CausalLM
-from shardwise.parallel.context import SequenceShards, context_parallel_attention
+from shardwise.parallel.context.sequence import SequenceShards, context_parallel_attention
 from test_zoo import COMMON
 from test_zoo import make as make_zoo_model
 
@@ -260,8 +260,8 @@ def test_context_parallel_refusals():
 def test_labels_shifted_by_the_model_are_refused_under_pp():
     """Under pp the loss is glue code replayed at the aten level, out of the routing mode's
     sight: the captured program is checked instead (parallelize does it before any stage runs)."""
-    from shardwise.parallel.context import refuse_shifted_labels
-    from shardwise.parallel.stage_program import capture_module
+    from shardwise.parallel.context.sequence import refuse_shifted_labels
+    from shardwise.parallel.pipeline.program import capture_module
 
     shard = {k: v[:2, :8].contiguous() for k, v in cp_batches(1)[0].items()}
     with pytest.raises(ModelError, match="shifts its labels itself.*shift_labels="):

@@ -9,7 +9,7 @@ import torch
 
 import shardwise as sw
 from parity import Case, compare_cases, gpt_batches, make_gpt, run_and_compare
-from shardwise.parallel.stage_program import capture_module
+from shardwise.parallel.pipeline.program import capture_module
 from shardwise.plan.stages import balance, layout_stages
 
 STEPS = 5

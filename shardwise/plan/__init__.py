@@ -1,7 +1,7 @@
 """Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data.
 
 `sw.plan.search` (the planner, shardwise/planner/) and `sw.plan.register_rule` /
-`RuleContext` (tensor parallelism's rules, parallel/tensor_rules.py) are part of this
+`RuleContext` (tensor parallelism's rules, parallel/tensor/rules.py) are part of this
 namespace for users, but live in the layers above plans, which import this package: the
 top-level package puts them here (shardwise/__init__.py), so no import runs upward."""
 

@@ -97,7 +97,7 @@ def candidate_units(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) 
 
 
 def units_of_program(module: nn.Module, program) -> tuple[list[Unit], list[str]]:
-    """Units in the order the captured forward (parallel/stage_program.py) first calls them,
+    """Units in the order the captured forward (parallel/pipeline/program.py) first calls them,
     with their forward FLOPs on the sample microbatch and parameter counts, and the calls of
     units holding parameters, in order."""
     held = {path: sum(p.numel() for p in module.get_submodule(path).parameters()) for path in program.unit_flops}
@@ -159,7 +159,7 @@ def _resolve_path(path: str, units: list[Unit]) -> str:
 
 def layout_stages(module: nn.Module, plan: Plan, config: ParallelConfig, program) -> StageLayout:
     """The stage layout for `config.pp` pipeline ranks from the forward captured on the sample
-    (`stage_program.capture`); `PlanError` on a split that cannot run."""
+    (`pipeline.program.capture`); `PlanError` on a split that cannot run."""
     interleaved = SCHEDULES[config.schedule].interleaved
     virtual = plan.virtual_stages or (2 if interleaved else 1)
     if interleaved and virtual < 2:

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 from torch.overrides import TorchFunctionMode
 
-from ..batch import leaves, map_tensors, split_batch
-from ..errors import BatchError, ModelError
-from ..tensors import op_name
-from .collectives import all_gather_along, reduce_scatter_along
+from ...batch import leaves, map_tensors, split_batch
+from ...errors import BatchError, ModelError
+from ...tensors import op_name
+from ..collectives import all_gather_along, reduce_scatter_along
 
 IGNORE_INDEX = -100  # labels equal to it count no token (torch's and Hugging Face's default)
 

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import wait
-from ..tensors import tensor_leaves
+from ...comm import wait
+from ...tensors import tensor_leaves
 from .buckets import Bucket
-from .data import GradientBuckets
+from .gradients import GradientBuckets
 
 
 class ParameterShards:

@@ -16,7 +16,7 @@ stream), so the order is the contract; gloo runs with the same single tag, so th
 exercise it. Sends complete at the end of the step.
 
 Zero-bubble schedules split the backward into input and weight halves with torch's own
-stage machinery and stay on torch's executor (`pipeline.py`).
+stage machinery and stay on torch's executor (`stages.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensors import tensor_leaves
+from ...tensors import tensor_leaves
 
 Meta = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
 

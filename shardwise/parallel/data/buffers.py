@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..coordination import _agreed
-from ..errors import BatchError
-from .collectives import all_reduce_sum
+from ...coordination import _agreed
+from ...errors import BatchError
+from ..collectives import all_reduce_sum
 
 
 class BufferBroadcast:

@@ -1,11 +1,11 @@
 """Pipeline parallelism: stages that run only their own part of the model, on torch's schedules.
 
 The forward is captured once per microbatch shape as a program of unit calls and glue
-(`stage_program.py`) and split between stages; each stage is a `StageModule` running its
+(`program.py`) and split between stages; each stage is a `StageModule` running its
 units (the real modules of this rank) and its glue, so a Hugging Face decoder, our GPT or any
 end2end module whose forward calls its layer list in order pipelines without placeholders.
 The order of forwards and backwards is GPipe's, 1F1B's or torch's interleaved 1F1B order, run
-by our own loop (`pipeline_runner.py`, leaner per action than torch's executor); interleaved
+by our own loop (`runner.py`, leaner per action than torch's executor); interleaved
 zero-bubble, whose backward splits into input and weight halves, runs on torch's
 `PipelineStage` and schedule class.
 
@@ -50,15 +50,15 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..batch import batch_size, loss_of, map_tensors, split_batch
-from ..config import SCHEDULES
-from ..plan.stages import StageLayout
-from ..random_state import rng_state, set_rng_state, without_trace
-from ..tensors import tensor_leaves
-from ..topology import Topology
-from .data import GradientSync
-from .pipeline_runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
-from .stage_program import Program, Ref, StageModule, StagePart, capture, draw, split
+from ...batch import batch_size, loss_of, map_tensors, split_batch
+from ...config import SCHEDULES
+from ...plan.stages import StageLayout
+from ...random_state import rng_state, set_rng_state, without_trace
+from ...tensors import tensor_leaves
+from ...topology import Topology
+from ..data.gradients import GradientSync
+from .runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
+from .program import Program, Ref, StageModule, StagePart, capture, draw, split
 
 @dataclass
 class PipelineStats:
@@ -316,7 +316,7 @@ class Pipeline:
                 cls = SCHEDULES[self.schedule_name].torch_class
                 schedule = cls(stages, self.microbatches, loss_fn=lambda loss, target: self._microbatch_loss(
                     loss, target[0]), scale_grads=False) if training else cls(stages, self.microbatches)
-            if self.schedule_name != "zero-bubble":  # a whole backward: our runner (pipeline_runner.py)
+            if self.schedule_name != "zero-bubble":  # a whole backward: our runner (runner.py)
                 rank = self.topology.pp_rank
                 steps = single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) if single \
                     else steps_of(schedule.pipeline_order[rank])

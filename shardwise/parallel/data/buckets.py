@@ -1,6 +1,6 @@
 """Gradient buckets: flat storages a run of parameters' gradients (and, under ZeRO, the
 parameters themselves) live in, each reduced by one collective over its `ReduceGroup`.
-`GradientBuckets` (data.py) fills and launches them; ZeRO (zero.py, zero3.py) shards them.
+`GradientBuckets` (gradients.py) fills and launches them; ZeRO (zero.py, zero3.py) shards them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..tensors import local
+from ...tensors import local
 
 
 @dataclass(frozen=True)

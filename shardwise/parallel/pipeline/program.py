@@ -42,9 +42,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..batch import loss_of
-from ..errors import ModelError
-from ..tensors import is_kv_cache, op_name, tensor_leaves
+from ...batch import loss_of
+from ...errors import ModelError
+from ...tensors import is_kv_cache, op_name, tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode
                    parts: list[str] | tuple[str, ...] = ()) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
     """Capture `module`'s forward on `microbatch` at the units of plan/stages.py: the program,
     the fake shadow it ran on (kept to capture other shapes later), its fake mode and the units."""
-    from ..plan.stages import candidate_units
+    from ...plan.stages import candidate_units
 
     units = candidate_units(module, parts)
     shadow, fake_mode = fake_shadow(module, fake_mode)

@@ -31,13 +31,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..errors import PlanError
-from ..plan.plan import placement_str, shard_dim
-from ..plan.resolve import ResolvedPlan
-from .collectives import redistribute
+from ...errors import PlanError
+from ...plan.plan import placement_str, shard_dim
+from ...plan.resolve import ResolvedPlan
+from ..collectives import redistribute
 
 if TYPE_CHECKING:
-    from .tensor import TensorParallel
+    from .sharding import TensorParallel
 
 
 def _shard(param: torch.Tensor | None) -> torch.Tensor | None:

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import CommStats, broadcast_tensors, coalesce, wait
-from ..config import ParallelConfig
-from ..errors import ShardwiseError
-from ..topology import Topology
-from ..tensors import local
+from ...comm import CommStats, broadcast_tensors, coalesce, wait
+from ...config import ParallelConfig
+from ...errors import ShardwiseError
+from ...topology import Topology
+from ...tensors import local
 from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
 
 MiB = 1 << 20

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import PlanError
-from ..tensors import op_name, tensor_leaves
+from ...errors import PlanError
+from ...tensors import op_name, tensor_leaves
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
 

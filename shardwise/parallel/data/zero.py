@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import wait
-from ..topology import Topology
+from ...comm import wait
+from ...topology import Topology
 from .buckets import Bucket
-from .data import GradientBuckets
-from ..tensors import is_sharded, local
+from .gradients import GradientBuckets
+from ...tensors import is_sharded, local
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Parameters the plan shards become DTensors on the tp mesh (so state dicts, checkpoints,
 optimizers and norms see their global shape and placement); a module holding one must
-have a rule in `tensor_rules.py` and is replaced by a `TensorParallelModule` computing on
+have a rule in `rules.py` and is replaced by a `TensorParallelModule` computing on
 the local shards. `TensorParallel` holds what the rules share within one forward.
 
 Why not DTensor dispatch for the compute (as torch's `parallelize_module` does): its
@@ -33,16 +33,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..comm import broadcast_tensors
-from ..deferred import is_deferred
-from ..errors import PlanError
-from ..plan.plan import Conversion, placement_str
-from ..plan.resolve import ResolvedPlan
-from ..tensors import is_sharded, local, storage_id
-from ..topology import Topology
-from .collectives import enter_parallel, redistribute
-from .tensor_check import checked_forward
-from .tensor_rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, TensorParallelModule, column,
+from ...comm import broadcast_tensors
+from ...deferred import is_deferred
+from ...errors import PlanError
+from ...plan.plan import Conversion, placement_str
+from ...plan.resolve import ResolvedPlan
+from ...tensors import is_sharded, local, storage_id
+from ...topology import Topology
+from ..collectives import enter_parallel, redistribute
+from .check import checked_forward
+from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, TensorParallelModule, column,
                            feature_embedding, replace_module, row, tensor_parallel_rules)
 
 
@@ -74,7 +74,7 @@ class TensorParallel:
         return bool(self.resolved.loss_parallel)
 
     def check_first_forward(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """Around forwards: the first one runs under `tensor_check.checked_forward`, which
+        """Around forwards: the first one runs under `check.checked_forward`, which
         refuses a plan whose sharded features reach a module that cannot take them."""
         if self.first_forward_checked:
             return contextlib.nullcontext()
