@@ -32,7 +32,7 @@ from ..tensors import local
 from .geometry import flat_rects, local_to_global, rect_shape, shift
 from .store import FORMAT, RankWriter, Reader, latest, publish, to_safe_bytes
 
-__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained"]
 
 
 def _regions(pmodel, piece) -> list[tuple]:
@@ -77,12 +77,19 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
     checkpoint stays the latest, and training can go on. Returns the directory of the new
     version.
     """
-    topology = pmodel.topology
-    coordinator = topology.coordinator
     path = Path(path)
-    staging, problem = None, None
+    staging, extra_bytes = _open_staging(path, pmodel.topology, extra)
+    crcs = _write_rank_files(staging, pmodel, optimizer, extra_bytes)
+    _publish(path, staging, pmodel, optimizer, crcs)
+    return staging.with_name(staging.name.removesuffix(".tmp"))
+
+
+def _open_staging(path: Path, topology, extra: Any) -> tuple[Path, bytes]:
+    """Agree on the new version's staging directory, which rank 0 creates, and return it with
+    this rank's `extra` pickled (checked first, so nothing is created for a save that cannot
+    complete)."""
+    staging, problem, extra_bytes = None, None, b""
     token = uuid.uuid4().int >> 72  # 56 bits: rank 0's names the version
-    extra_bytes = b""
     try:
         extra_bytes = to_safe_bytes(extra, f"save_checkpoint's extra on rank {topology.rank}")
     except CheckpointError as exc:
@@ -91,20 +98,24 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
         staging = path / f"v-{token:014x}.tmp"
         problem = _attempt(lambda: staging.mkdir(parents=True), f"cannot create checkpoint directory {str(staging)!r}")
     try:
-        agreement = coordinator.agree("save_checkpoint", problem, value=token, gather=True)
+        agreement = topology.coordinator.agree("save_checkpoint", problem, value=token, gather=True)
     except CheckpointError:
         if staging is not None:
             _discard(topology, staging)
         raise
-    staging = path / f"v-{agreement.values()[0]:014x}.tmp"
-    with coordinator.body("save_checkpoint"):
+    return path / f"v-{agreement.values()[0]:014x}.tmp", extra_bytes
+
+
+def _write_rank_files(staging: Path, pmodel, optimizer, extra_bytes: bytes) -> list[int]:
+    """Every rank writes what it owns into `staging`; returns each rank's index CRC-32."""
+    topology = pmodel.topology
+    with topology.coordinator.body("save_checkpoint"):
         writer = _collect(pmodel, optimizer)
         writer.add_raw("extra", torch.frombuffer(bytearray(extra_bytes), dtype=torch.uint8))
-        problem = None
+        problem, crc = None, 0
         if not staging.is_dir():
             problem = CheckpointError(f"rank {topology.rank} does not see {str(staging)!r}, which rank 0 created: "
                                       "checkpoints need a directory every rank shares (a shared filesystem)")
-        crc = 0
         if problem is None:
             crc_box = []
             groups = _group_names(pmodel, optimizer)
@@ -112,18 +123,21 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
                                f"cannot write rank {topology.rank}'s checkpoint file in {str(staging)!r}")
             crc = crc_box[0] if crc_box else 0
     try:
-        agreement = coordinator.agree("save_checkpoint/write", problem, value=crc, gather=True)
+        return topology.coordinator.agree("save_checkpoint/write", problem, value=crc, gather=True).values()
     except CheckpointError:
         _discard(topology, staging)
         raise
-    final = staging.with_name(staging.name.removesuffix(".tmp"))
-    problem = None
+
+
+def _publish(path: Path, staging: Path, pmodel, optimizer, crcs: list[int]) -> None:
+    """Rank 0 seals the version and points LATEST at it; every rank learns whether it did."""
+    topology, problem = pmodel.topology, None
     if topology.rank == 0:
         meta = {
             "format": FORMAT, "world_size": topology.world_size, "layout": topology.sizes,
             "config": {k: str(v) for k, v in vars(pmodel.config).items()}, "plan": pmodel.plan.to_dict(),
             "steps": pmodel.steps, "state_keys": list(pmodel.index.state_shapes), "aliases": pmodel.index.aliases,
-            "optimizer": optimizer is not None, "files": {str(r): c for r, c in enumerate(agreement.values())},
+            "optimizer": optimizer is not None, "files": {str(r): c for r, c in enumerate(crcs)},
         }
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
         scaler = getattr(optimizer, "loss_scaler", None)
@@ -131,11 +145,10 @@ def save_checkpoint(path: str | Path, pmodel, optimizer=None, extra: Any = None)
         problem = _attempt(lambda: publish(path, staging, meta, saved),
                            f"cannot publish the checkpoint in {str(path)!r}")
     try:
-        coordinator.agree("save_checkpoint/publish", problem)
+        topology.coordinator.agree("save_checkpoint/publish", problem)
     except CheckpointError:
         _discard(topology, staging)
         raise
-    return final
 
 
 def _collect(pmodel, optimizer) -> RankWriter:
@@ -260,8 +273,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
     topology.coordinator.agree("load_checkpoint", problem)
 
     with topology.coordinator.body("load_checkpoint"), torch.no_grad():  # commit: every rank has what it needs
-        for target, value in staged:
-            target.copy_(value.to(target.device, target.dtype))
+        _commit(pmodel, staged)
         if optimizer is not None:
             for master, state in states.values():
                 optimizer.state[master] = state
@@ -269,11 +281,36 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
                 group.update(saved)
             if reader.saved.get("loss_scaler") and getattr(optimizer, "loss_scaler", None) is not None:
                 optimizer.loss_scaler.load_state_dict(reader.saved["loss_scaler"])
-        pmodel.optimizer_params.write_back()  # ZeRO: whole parameters from the loaded shards
         pmodel.steps = reader.meta["steps"]
         if reader.meta["world_size"] == topology.world_size and reader.meta["layout"] == topology.sizes:
             _restore_rng(reader, topology.rank)  # same layout: continue bit for bit
     return extra
+
+
+def load_pretrained(pmodel, path: str | Path) -> None:
+    """Load Hugging Face weights (a `save_pretrained` directory, sharded or not, or one
+    .safetensors / .bin file) into `pmodel`, whatever its layout; each rank reads only its own
+    shards' byte ranges (pretrained.py). Collective; checked on every rank before anything
+    changes, so a missing key or a shape that does not match is the same `CheckpointError`
+    everywhere."""
+    from .pretrained import pretrained_reader
+
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    problem = None
+    try:
+        _stage(pretrained_reader(pmodel, path), pmodel, None, staged, {})
+    except CheckpointError as exc:
+        problem = exc
+    pmodel.topology.coordinator.agree("load_pretrained", problem)
+    with pmodel.topology.coordinator.body("load_pretrained"), torch.no_grad():
+        _commit(pmodel, staged)
+
+
+def _commit(pmodel, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy staged values into the model's tensors; ZeRO's whole parameters from the shards."""
+    for target, value in staged:
+        target.copy_(value.to(target.device, target.dtype))
+    pmodel.optimizer_params.write_back()
 
 
 def _superseded(path: Path, version: Path | None) -> CheckpointError | None:

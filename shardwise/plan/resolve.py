@@ -105,7 +105,6 @@ def _input_count(module: nn.Module) -> int | None:
 
 def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
     """Expand `plan` against `module` for `tp` ranks; `PlanError` on anything that does not fit."""
-    owner = type(module).__name__
     modules = dict(module.named_modules())
     _check_parts(plan.parts, modules)
     roots = _roots(module, plan)
@@ -115,6 +114,21 @@ def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
             raise PlanError(f"plan {plan.name or ''} applies to every {plan.applies_to}, and parts {plan.parts} hold "
                             "none; name the parts that contain it")
     resolved = ResolvedPlan(plan)
+    _resolve_params(resolved, plan, module, roots, tp)
+    _resolve_modules(resolved, plan, modules, roots, tp)
+    if plan.parts:
+        outside = [n for n, p in resolved.params.items() if not isinstance(p, Replicate) and not inside(n, plan.parts)]
+        outside += [p for p in [*resolved.inputs, *resolved.outputs, *resolved.loss_parallel, *resolved.recompute,
+                                *(path for path, _ in resolved.divide_by_tp)] if not inside(p, plan.parts)]
+        if outside:
+            raise PlanError(f"the plan parallelizes {sorted(set(outside))[:4]} outside parts {plan.parts}, which stay "
+                            "replicated; add their module to parts or drop those entries")
+    return resolved
+
+
+def _resolve_params(resolved: ResolvedPlan, plan: Plan, module: nn.Module, roots: list[str], tp: int) -> None:
+    """Each parameter's placement; tied parameters (one tensor) get one, whatever name the plan used."""
+    owner = type(module).__name__
     params = dict(module.named_parameters(remove_duplicate=False))
     names = list(params)
     for pattern, placements in plan.params.items():
@@ -126,7 +140,6 @@ def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
                     f"and {placement_str(placement)}; keep one"
                 )
             resolved.params[name] = placement
-    # tied parameters: one tensor, one placement, whatever name the plan used
     by_tensor: dict[int, Placement] = {}
     for name, placement in resolved.params.items():
         previous = by_tensor.setdefault(id(params[name]), placement)
@@ -136,6 +149,12 @@ def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
         if id(param) in by_tensor:
             resolved.params[name] = by_tensor[id(param)]
 
+
+def _resolve_modules(resolved: ResolvedPlan, plan: Plan, modules: dict[str, nn.Module], roots: list[str],
+                     tp: int) -> None:
+    """What the plan says per module: activation placements, loss parallel, attributes
+    divided by tp, recompute."""
+    owner = type(modules[""]).__name__
     module_paths = [p for p in modules if p]
     for key, placements in plan.activations.items():
         path_pattern, kind = key.rsplit(".", 1)
@@ -163,14 +182,6 @@ def resolve_plan(plan: Plan, module: nn.Module, tp: int) -> ResolvedPlan:
             resolved.divide_by_tp.append((path, attr))
     for pattern in plan.recompute:
         resolved.recompute.extend(_expand(pattern, module_paths, roots, "module", owner))
-    if plan.parts:
-        outside = [n for n, p in resolved.params.items() if not isinstance(p, Replicate) and not inside(n, plan.parts)]
-        outside += [p for p in [*resolved.inputs, *resolved.outputs, *resolved.loss_parallel, *resolved.recompute,
-                                *(path for path, _ in resolved.divide_by_tp)] if not inside(p, plan.parts)]
-        if outside:
-            raise PlanError(f"the plan parallelizes {sorted(set(outside))[:4]} outside parts {plan.parts}, which stay "
-                            "replicated; add their module to parts or drop those entries")
-    return resolved
 
 
 def _check_parts(parts: list[str], modules: dict[str, nn.Module]) -> None:

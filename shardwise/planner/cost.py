@@ -193,9 +193,32 @@ def _end_rank_layers(spec: ModelSpec, pp, virtual, seq_local) -> tuple[np.ndarra
 def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) -> Cost:
     """Predicted memory and step time of `layout` (arrays broadcast) for sequences of `seq_len`."""
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
-    world = L.dp * L.tp * L.pp * L.cp
-    layers_here = np.ceil(spec.layers / L.pp)  # the busiest rank's blocks, for time
-    layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len / L.cp)  # for memory
+    memory = _memory(spec, L, seq_len)
+    times = _step_times(spec, cluster, L, seq_len, memory)
+    return Cost(memory.params, memory.grads, memory.adam, memory.activations, memory.buffers, *times,
+                sum(memory.first), sum(memory.last), memory.act_first, memory.act_last)
+
+
+@dataclass
+class _Memory:
+    """The memory terms of `evaluate`, and what its time terms need of them."""
+
+    params: np.ndarray
+    grads: np.ndarray
+    adam: np.ndarray
+    activations: np.ndarray
+    buffers: np.ndarray
+    params_first: np.ndarray  # parameter counts on the first and last pipeline ranks
+    params_last: np.ndarray
+    first: tuple  # (params, grads, optimizer) bytes on the first pipeline rank
+    last: tuple
+    act_first: np.ndarray
+    act_last: np.ndarray
+
+
+def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
+    """Bytes per rank on the busier end of the pipeline: model states and activations."""
+    layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len / L.cp)
     tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
 
     # model states on the first pipeline rank (embedding) and on the last (head)
@@ -225,8 +248,17 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, act_last, held * act_first)
     buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l) * L.param_bytes, 0.0)
+    return _Memory(params, grads, adam, activations, buffers, params_first, params_last, first, last, act_first,
+                   act_last)
 
-    # time
+
+def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memory: _Memory) -> tuple:
+    """Seconds per step by term (compute, recompute, tp, cp, pp, bubble, dp) and the model FLOPs."""
+    world = L.dp * L.tp * L.pp * L.cp
+    layers_here = np.ceil(spec.layers / L.pp)  # the busiest rank's blocks
+    sharded_l = spec.layer_params[0]
+    tokens = L.micro_batch * seq_len / L.cp
+    shards = L.dp * L.cp
     bw = cluster.bandwidth
     peak = cluster.spec.peak_flops
     h = spec.hidden
@@ -249,10 +281,9 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     pipelined = compute + recompute + tp_comm + cp_comm
     bubble_fraction = (L.pp - 1) / (L.virtual * L.microbatches) / np.where(L.schedule == 3, 3, 1)
     bubble = pipelined * bubble_fraction
-    grad_bytes = np.maximum(params_first, params_last) * L.param_bytes
+    grad_bytes = np.maximum(memory.params_first, memory.params_last) * L.param_bytes
     reduce = _ring(shards, grad_bytes, bw(world), 2)
     gathers = np.where(L.zero == 3, 2 * L.microbatches * _ring(shards, grad_bytes, bw(world), 1), 0.0)
     last_backward = (compute + recompute) * 2 / 3 / L.microbatches
     dp_comm = np.maximum(reduce - last_backward, 0) + np.maximum(gathers - compute, 0)
-    return Cost(params, grads, adam, activations, buffers, compute, recompute, tp_comm, cp_comm, pp_comm, bubble,
-                dp_comm, model_flops, sum(first), sum(last), act_first, act_last)
+    return compute, recompute, tp_comm, cp_comm, pp_comm, bubble, dp_comm, model_flops
