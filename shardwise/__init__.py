@@ -3,7 +3,7 @@
 from . import plan, testing
 from .activations import ActivationMemory, activation_memory
 from .parity_check import CheckReport, check
-from .checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_pretrained, merge_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .deferred import deferred_init
 from .groups import current_topology, gather, reduce, split
@@ -62,6 +62,7 @@ __all__ = [
     "gather",
     "init_distributed",
     "load_checkpoint",
+    "load_pretrained",
     "merge_checkpoint",
     "parallelize",
     "plan",

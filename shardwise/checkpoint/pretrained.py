@@ -1,0 +1,179 @@
+"""Hugging Face weights into any layout: `load_pretrained(pmodel, path)`.
+
+`path` is what `save_pretrained` writes (a directory with `model.safetensors`, or shards and
+`model.safetensors.index.json`; `pytorch_model.bin` and its index too) or one `.safetensors`
+/ `.bin` file. The checkpoint's keys are the Hugging Face model's own; they are found inside
+the user's module by where the `PreTrainedModel` sits (`lm.` in an end2end wrapper), with
+the base model's prefix added or dropped when the file was saved from the other class
+(`model.layers.0...` vs `layers.0...`), and tied parameters read once.
+
+Each rank reads only the rectangles of its own shards (safetensors slices, the same global
+regions `load_checkpoint` reads), so with `sw.deferred_init` no rank holds more than its
+shards plus one region in flight; `.bin` files are memory-mapped. Every rank checks the
+files, keys and shapes first and the ranks agree, so a missing key or a shape that does not
+match is the same `CheckpointError` on every rank, naming the file and the key, and nothing
+changes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the file holding it, for a save_pretrained directory or one file."""
+    if path.is_file():
+        return {key: path for key in _open(path).keys()}
+    if not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} does not exist: give a save_pretrained directory or a .safetensors / "
+                              ".bin file")
+    for name in INDEXES:
+        index = path / name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, OSError) as exc:
+                raise CheckpointError(f"{str(index)!r} is not a Hugging Face index (no readable weight_map: {exc})") \
+                    from None
+            return {key: path / file for key, file in weight_map.items()}
+    for name in SINGLE:
+        if (path / name).is_file():
+            return weight_files(path / name)
+    raise CheckpointError(f"{str(path)!r} holds no Hugging Face weights: none of {', '.join(INDEXES + SINGLE)}")
+
+
+class _File:
+    """One weights file, opened once: its keys, shapes and rectangles."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            if path.suffix == ".safetensors":
+                self._safe = safe_open(str(path), framework="pt")
+                self._tensors = None
+            else:
+                self._safe = None
+                self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{str(path)!r} is not a readable weights file: {exc}") from None
+
+    def keys(self) -> list[str]:
+        return list(self._safe.keys()) if self._safe is not None else list(self._tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._safe is not None:
+            return tuple(self._safe.get_slice(key).get_shape())
+        return tuple(self._tensors[key].shape)
+
+    def read(self, key: str, rect: tuple) -> torch.Tensor:
+        index = tuple(slice(lo, hi) for lo, hi in rect)
+        if self._safe is not None:
+            return self._safe.get_slice(key)[index] if rect else self._safe.get_tensor(key)
+        return self._tensors[key][index]
+
+
+def _open(path: Path) -> _File:
+    return _File(path)
+
+
+class PretrainedReader:
+    """`Reader`'s interface (`keys`, `read(key, rect)`) over Hugging Face files, keyed as
+    shardwise's checkpoint is ("model/<name>", "buffer/<name>"), for `checkpoint._stage`."""
+
+    def __init__(self, files: dict[str, Path], names: dict[str, str]):
+        self.files = files  # checkpoint key -> file
+        self.names = names  # "model/<name>" or "buffer/<name>" -> checkpoint key
+        self._opened: dict[Path, _File] = {}
+        self.keys = {ours: {"shape": list(self.file(theirs).shape(theirs))} for ours, theirs in names.items()}
+
+    def file(self, key: str) -> _File:
+        path = self.files[key]
+        if path not in self._opened:
+            self._opened[path] = _open(path)
+        return self._opened[path]
+
+    def read(self, key: str, rect: tuple) -> torch.Tensor:
+        theirs = self.names[key]
+        return self.file(theirs).read(theirs, rect)
+
+
+def match_names(pmodel, files: dict[str, Path]) -> dict[str, str]:
+    """Our "model/<name>" / "buffer/<name>" -> the checkpoint's key, with the prefix that makes
+    the most of them match; CheckpointError listing what is missing or unexpected."""
+    ours = {name: ("buffer" if name not in pmodel.index.aliases else "model")
+            for name in pmodel.index.state_shapes if pmodel.index.canonical(name) == name}
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in pmodel.index.aliases.items():
+        aliases.setdefault(canonical, []).append(alias)
+    best: dict[str, str] = {}
+    for translate in _translations(pmodel.module):
+        found = {}
+        for name in ours:
+            for candidate in aliases.get(name, [name]):
+                key = translate(candidate)
+                if key is not None and key in files:
+                    found[name] = key
+                    break
+        if len(found) > len(best):
+            best = found
+    missing = sorted(set(ours) - set(best))
+    every_name = {translate(alias) for translate in _translations(pmodel.module) for alias in pmodel.index.aliases}
+    unexpected = sorted(k for k in files if k not in every_name)  # a tied copy saved twice is expected
+    if missing or unexpected:
+        raise CheckpointError(f"the Hugging Face weights in {str(next(iter(files.values())).parent)!r} do not match "
+                              f"{type(pmodel.module).__name__}: missing {missing[:6]} (of {len(missing)}), unexpected "
+                              f"{unexpected[:6]} (of {len(unexpected)}); load weights of the same architecture")
+    return {f"{ours[name]}/{name}": key for name, key in best.items()}
+
+
+def _translations(module: torch.nn.Module) -> list[Callable[[str], str | None]]:
+    """Ways our names may map to the checkpoint's: under each Hugging Face model in the module
+    (its prefix stripped), with its base model prefix as saved or not, and as they are."""
+    out: list[Callable[[str], str | None]] = [lambda name: name]
+    for path, sub in module.named_modules():
+        if not hasattr(getattr(sub, "config", None), "model_type"):
+            continue
+        prefix = f"{path}." if path else ""
+        base = getattr(sub, "base_model_prefix", "") or ""
+
+        def strip(name: str, prefix=prefix) -> str | None:
+            return name[len(prefix):] if name.startswith(prefix) else None
+
+        def drop_base(name: str, prefix=prefix, base=base) -> str | None:
+            inner = strip(name, prefix)
+            return inner[len(base) + 1:] if inner is not None and base and inner.startswith(base + ".") else None
+
+        def add_base(name: str, prefix=prefix, base=base) -> str | None:
+            inner = strip(name, prefix)
+            return f"{base}.{inner}" if inner is not None and base else None
+
+        out += [strip, drop_base, add_base]
+    return out
+
+
+def check_shapes(reader: PretrainedReader, pmodel) -> None:
+    shapes = pmodel.index.state_shapes
+    for ours, info in reader.keys.items():
+        name = ours.split("/", 1)[1]
+        if tuple(info["shape"]) != tuple(shapes[name]):
+            theirs = reader.names[ours]
+            raise CheckpointError(f"{str(reader.files[theirs])!r}: {theirs!r} has shape {tuple(info['shape'])}, the "
+                                  f"model's {name!r} is {tuple(shapes[name])}; load weights of the same configuration")
+
+
+def pretrained_reader(pmodel, path: str | Path) -> Any:
+    """The reader `load_pretrained` stages from, after every check this rank can make alone."""
+    files = weight_files(Path(path))
+    reader = PretrainedReader(files, match_names(pmodel, files))
+    check_shapes(reader, pmodel)
+    return reader

@@ -1,0 +1,122 @@
+"""sw.load_pretrained: Hugging Face weights written by `save_pretrained` into any layout.
+
+A tiny Llama is saved by transformers itself (one file, and sharded with an index; tied and
+untied embeddings) and loaded into tp2 x dp2, pp2 x dp2, ZeRO-3 over 4 replicas and cp2 x dp2,
+each built with `sw.deferred_init` (no rank ever holds the whole model) and wrapped in an
+end2end module (the weights' keys are found under its `lm.` prefix). Every parameter must
+equal the checkpoint's bit for bit, and the loss `infer_step` computes must be one process's
+`from_pretrained` model's, within float32 rounding of a forward (tests/parity.py's EPS_LOSS).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import shardwise as sw
+from parity import EPS_LOSS, corpus_batches
+from shardwise.models import CausalLM
+from test_zoo import COMMON
+
+LAYOUTS = {"tp2 x dp2": ({"tp": 2}, "llama"), "pp2 x dp2": ({"pp": 2, "microbatches": 2}, None),
+           "zero3 x dp4": ({"zero": 3}, None), "cp2 x dp2": ({"cp": 2}, None)}
+
+
+def _config(tied: bool):
+    return transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=tied, **COMMON)
+
+
+def _batch() -> dict:
+    tokens = corpus_batches(1, 4, seq=16)[0]
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+def _build(tied: bool):
+    torch.manual_seed(123)  # other values than the checkpoint's: only loading can make them equal
+    return CausalLM(transformers.LlamaForCausalLM(_config(tied)))
+
+
+def _load_everywhere(directory: str, tied: bool):
+    from shardwise.checkpoint import pretrained
+
+    out = {}
+    batch = _batch()
+    real_read, read = pretrained._File.read, []
+
+    def counting(self, key, rect):
+        tensor = real_read(self, key, rect)
+        read.append(tensor.numel())
+        return tensor
+
+    pretrained._File.read = counting
+    for name, (config, plan) in LAYOUTS.items():
+        sample = {k: v[:2] for k, v in batch.items()} if config.get("pp", 1) > 1 else None
+        pm = sw.parallelize(sw.deferred_init(_build, tied), sw.ParallelConfig(**config), plan=plan, sample=sample)
+        read.clear()
+        sw.load_pretrained(pm, directory)
+        out[name] = ({k: v.clone() for k, v in pm.full_state_dict().items()}, float(pm.infer_step(batch)), sum(read))
+    return out
+
+
+@pytest.fixture(scope="module", params=[(True, None), (False, "20KB")], ids=["tied, one file", "untied, sharded"])
+def saved(request, tmp_path_factory):
+    tied, shard = request.param
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config(tied))
+    directory = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    if shard:
+        assert (directory / "model.safetensors.index.json").is_file()
+        assert len(set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    return directory, tied
+
+
+def test_hugging_face_weights_load_into_every_layout(saved):
+    directory, tied = saved
+    reference = transformers.LlamaForCausalLM.from_pretrained(directory)
+    want_state = {f"lm.{k}": v for k, v in reference.state_dict().items()}
+    with torch.no_grad():
+        want_loss = float(CausalLM(reference)(_batch()))
+    total = sum(v.numel() for v in reference.state_dict().values())
+    # what a rank reads: ZeRO-3 over 4 replicas reads a quarter (its flat shard; buckets are padded
+    # to 4 equal parts, so a little more), tp2 half of each sharded matrix and the small norms whole
+    share = {"zero3 x dp4": 0.25 * 1.1, "tp2 x dp2": 0.6}
+    for rank, layouts in enumerate(sw.testing.run_on_ranks(_load_everywhere, 4, str(directory), tied)):
+        for name, (state, loss, elements) in layouts.items():
+            assert elements <= share.get(name, 1.0) * total, (name, rank, elements, total)
+            assert state.keys() == want_state.keys(), (name, sorted(set(state) ^ set(want_state)))
+            for key, value in want_state.items():
+                assert torch.equal(state[key], value), f"{name} rank {rank}: {key} differs from the checkpoint"
+            assert abs(loss - want_loss) <= EPS_LOSS * abs(want_loss), (name, rank, loss, want_loss)
+
+
+def _refusals(good: str, other: str, missing: str):
+    found = {}
+    for name, path in {"another configuration": other, "a directory without weights": missing,
+                       "a missing key": good}.items():
+        pm = sw.parallelize(_build(True), sw.ParallelConfig(tp=2), plan="llama")
+        if name == "a missing key":  # the checkpoint has no values for the wrapper's own layer
+            pm = sw.parallelize(torch.nn.ModuleDict({"lm": _build(True).lm, "extra": torch.nn.Linear(2, 2)}))
+        try:
+            sw.load_pretrained(pm, path)
+            found[name] = "loaded"
+        except sw.CheckpointError as exc:
+            found[name] = str(exc)
+    return found
+
+
+def test_refusals_name_the_file_and_key(tmp_path):
+    directory, other = tmp_path / "good", tmp_path / "other"
+    transformers.LlamaForCausalLM(_config(True)).save_pretrained(directory)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **{**COMMON, "hidden_size": 64})) \
+        .save_pretrained(other)
+    (tmp_path / "empty").mkdir()
+    results = sw.testing.run_on_ranks(_refusals, 2, str(directory), str(other), str(tmp_path / "empty"))
+    assert results[0] == results[1]
+    assert "'model.embed_tokens.weight' has shape (64, 64), the model's 'lm.model.embed_tokens.weight' is (64, 32)" \
+        in results[0]["another configuration"], results[0]
+    assert "holds no Hugging Face weights" in results[0]["a directory without weights"]
+    assert "missing ['extra.bias', 'extra.weight']" in results[0]["a missing key"], results[0]
