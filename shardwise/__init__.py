@@ -3,7 +3,7 @@
 from . import plan, testing
 from .activations import ActivationMemory, activation_memory
 from .parity_check import CheckReport, check
-from .checkpoint import load_checkpoint, load_pretrained, merge_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_pretrained, merge_checkpoint, save_checkpoint, save_pretrained
 from .config import ParallelConfig
 from .deferred import deferred_init
 from .groups import current_topology, gather, reduce, split
@@ -68,6 +68,7 @@ __all__ = [
     "plan",
     "reduce",
     "save_checkpoint",
+    "save_pretrained",
     "split",
     "testing",
 ]

@@ -52,7 +52,8 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
               "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
               "scale_grads", "finish_gradient_sync", "agree", "optimizer.full_state_dict",
               "optimizer.load_full_state_dict", "activation_memory", "activation_memory(fake=True)", "state_dict",
-              "train_step(reduce='sum')", "train_step(reduce='tokens')", "load_pretrained")
+              "train_step(reduce='sum')", "train_step(reduce='tokens')", "load_pretrained",
+              "save_pretrained")
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0

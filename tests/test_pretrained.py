@@ -120,3 +120,31 @@ def test_refusals_name_the_file_and_key(tmp_path):
         in results[0]["another configuration"], results[0]
     assert "holds no Hugging Face weights" in results[0]["a directory without weights"]
     assert "missing ['extra.bias', 'extra.weight']" in results[0]["a missing key"], results[0]
+
+
+def _export(directory: str, dtype, tied: bool):
+    batch = _batch()
+    pm = sw.parallelize(sw.deferred_init(_build, tied), sw.ParallelConfig(tp=2, pp=2, microbatches=2), plan="llama",
+                        sample={k: v[:2] for k, v in batch.items()})
+    optimizer = sw.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    pm.train_step(batch)  # values no file holds yet
+    optimizer.step()
+    sw.save_pretrained(pm, directory, dtype=dtype)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}, float(pm.infer_step(batch))
+
+
+@pytest.mark.parametrize("dtype, tied", [(None, False), (torch.bfloat16, False), (None, True)],
+                         ids=["float32", "bfloat16", "float32 tied"])
+def test_save_pretrained_from_tp2_x_pp2_is_what_from_pretrained_reads(tmp_path, dtype, tied):
+    """The export is a directory transformers loads as is: config.json, safetensors, the
+    model's own key names; its parameters are the trained ones (in the dtype asked for)."""
+    state, loss = sw.testing.run_on_ranks(_export, 4, str(tmp_path), dtype, tied)[0]
+    assert (tmp_path / "config.json").is_file() and list(tmp_path.glob("*.safetensors"))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=dtype or torch.float32)
+    for key, value in loaded.state_dict().items():
+        want = state[f"lm.{key}"].to(dtype) if dtype is not None else state[f"lm.{key}"]
+        assert torch.equal(value, want), key
+    if dtype is None:
+        with torch.no_grad():
+            got = float(CausalLM(loaded)(_batch()))
+        assert abs(got - loss) <= EPS_LOSS * abs(loss), (got, loss)

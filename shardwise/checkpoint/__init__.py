@@ -32,7 +32,7 @@ from ..tensors import local
 from .geometry import flat_rects, local_to_global, rect_shape, shift
 from .store import FORMAT, RankWriter, Reader, latest, publish, to_safe_bytes
 
-__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained"]
+__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained", "save_pretrained"]
 
 
 def _regions(pmodel, piece) -> list[tuple]:
@@ -304,6 +304,31 @@ def load_pretrained(pmodel, path: str | Path) -> None:
     pmodel.topology.coordinator.agree("load_pretrained", problem)
     with pmodel.topology.coordinator.body("load_pretrained"), torch.no_grad():
         _commit(pmodel, staged)
+
+
+def save_pretrained(pmodel, directory: str | Path, dtype: torch.dtype | None = None,
+                    max_shard_size: str = "5GB") -> Path:
+    """Write the Hugging Face model inside `pmodel` as `from_pretrained` reads it: config.json,
+    safetensors shards with their index, the model's own key names (the wrapper's prefix
+    dropped), in `dtype` if given. Collective: the parameters are gathered whole
+    (`full_state_dict`) and rank 0 writes them with transformers' own writer; a failure is
+    the same `CheckpointError` on every rank. Returns the directory."""
+    from .pretrained import hugging_face_model, write_pretrained
+
+    directory = Path(directory)
+    problem, found = None, None
+    try:
+        found = hugging_face_model(pmodel.module)
+    except CheckpointError as exc:
+        problem = exc
+    pmodel.topology.coordinator.agree("save_pretrained", problem)
+    state = pmodel.full_state_dict()
+    problem = None
+    if pmodel.topology.rank == 0:
+        problem = _attempt(lambda: write_pretrained(found[1], found[0], state, directory, dtype, max_shard_size),
+                           f"cannot write the Hugging Face model to {str(directory)!r}")
+    pmodel.topology.coordinator.agree("save_pretrained/write", problem)
+    return directory
 
 
 def _commit(pmodel, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

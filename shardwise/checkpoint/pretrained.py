@@ -1,4 +1,5 @@
-"""Hugging Face weights into any layout: `load_pretrained(pmodel, path)`.
+"""Hugging Face weights into any layout, `load_pretrained(pmodel, path)`, and out of it,
+`save_pretrained(pmodel, directory)`.
 
 `path` is what `save_pretrained` writes (a directory with `model.safetensors`, or shards and
 `model.safetensors.index.json`; `pytorch_model.bin` and its index too) or one `.safetensors`
@@ -177,3 +178,26 @@ def pretrained_reader(pmodel, path: str | Path) -> Any:
     reader = PretrainedReader(files, match_names(pmodel, files))
     check_shapes(reader, pmodel)
     return reader
+
+
+def hugging_face_model(module: torch.nn.Module) -> tuple[str, Any]:
+    """(path, module) of the Hugging Face `PreTrainedModel` inside `module` (the outermost)."""
+    for path, sub in module.named_modules():
+        if hasattr(getattr(sub, "config", None), "model_type") and callable(getattr(sub, "save_pretrained", None)):
+            return path, sub
+    raise CheckpointError(f"{type(module).__name__} holds no Hugging Face model (a transformers PreTrainedModel), so "
+                          "there is no config.json to write; save with sw.save_checkpoint or full_state_dict()")
+
+
+def write_pretrained(hf_model: Any, prefix: str, state: dict[str, torch.Tensor], directory: Path,
+                     dtype: torch.dtype | None, max_shard_size: str) -> None:
+    """The Hugging Face model's part of the whole `state` written by transformers itself:
+    config.json, safetensors shards and their index, the model's own key names."""
+    start = f"{prefix}." if prefix else ""
+    own = {k[len(start):]: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+           for k, v in state.items() if k.startswith(start)}
+    hf_model.save_pretrained(str(directory), state_dict=own, safe_serialization=True, max_shard_size=max_shard_size)
+    if dtype is not None:
+        config = json.loads((directory / "config.json").read_text())
+        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
