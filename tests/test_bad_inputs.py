@@ -152,10 +152,12 @@ def _raise_by_rank(path, module, placements):
 sw.plan.register_rule(_RuleRaisingByRank, _raise_by_rank)
 
 
-class _WithRuleRaisingByRank(nn.Module):
-    def __init__(self):
+class _OneLayer(nn.Module):
+    """A model of one layer of `layer_class` (4 -> 4), for the registered-rule cases."""
+
+    def __init__(self, layer_class: type):
         super().__init__()
-        self.layer = _RuleRaisingByRank(4, 4)
+        self.layer = layer_class(4, 4)
 
     def forward(self, x):
         return self.layer(x).pow(2).mean()
@@ -596,15 +598,6 @@ def _broken_rule(path, module, placements):
 sw.plan.register_rule(_BrokenRuleLayer, _broken_rule)
 
 
-class _WithBrokenRule(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = _BrokenRuleLayer(4, 4)
-
-    def forward(self, x):
-        return self.layer(x).pow(2).mean()
-
-
 class _SharedLinear(nn.Module):
     """One Linear used by two blocks."""
 
@@ -634,15 +627,6 @@ def _rank_dependent_rule(path, module, placements):
 
 
 sw.plan.register_rule(_RankDependentRuleLayer, _rank_dependent_rule)
-
-
-class _WithRankDependentRule(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = _RankDependentRuleLayer(4, 4)
-
-    def forward(self, x):
-        return self.layer(x).pow(2).mean()
 
 
 def _parallelized_twice_at_tp2():
@@ -832,7 +816,7 @@ RANKS2 = {
     "tokens: tp peers count differently on a later step": Case(
         lambda: _tokens(lambda r, i: 3 + (r if i > 2 else 0), tp=2), "ModelError",
         "tensor-parallel peers counted different token totals"),
-    "a rule raising KeyError": Case(lambda: sw.parallelize(_WithBrokenRule(), sw.ParallelConfig(tp=2),
+    "a rule raising KeyError": Case(lambda: sw.parallelize(_OneLayer(_BrokenRuleLayer), sw.ParallelConfig(tp=2),
                                                            plan={"params": {"layer.weight": "Shard(0)"}}),
                                     "ShardwiseError", "parallelize failed before communicating: KeyError: 'weight_scale'"),
     "a tp plan on a Linear shared by two blocks": Case(
@@ -840,11 +824,11 @@ RANKS2 = {
                                      plan={"params": {"blocks.*.0.weight": "Shard(0)"}}).train_step(torch.ones(4, 4))),
         "PlanError", "Linear 'blocks.0.0' is one module used at ['blocks.0.0', 'blocks.1.0']"),
     "a rule completing a placement on one rank only": Case(
-        lambda: sw.parallelize(_WithRankDependentRule(), sw.ParallelConfig(tp=2),
+        lambda: sw.parallelize(_OneLayer(_RankDependentRuleLayer), sw.ParallelConfig(tp=2),
                                plan={"params": {"layer.weight": "Shard(0)"}}), "ModelError",
         "rank 1 has rule for layer"),
     "a rule refusing with a rank-dependent message": Case(
-        lambda: sw.parallelize(_WithRuleRaisingByRank(), sw.ParallelConfig(tp=2),
+        lambda: sw.parallelize(_OneLayer(_RuleRaisingByRank), sw.ParallelConfig(tp=2),
                                plan={"params": {"layer.weight": "Shard(0)"}}), "PlanError", "rank 0 refuses layer"),
     "parts naming a ParallelModule": Case(
         lambda: sw.parallelize(nn.ModuleDict({"inner": sw.parallelize(Tuple()), "head": nn.Linear(1, 1)}),
