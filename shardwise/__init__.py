@@ -4,6 +4,7 @@ from . import plan, testing
 from .activations import ActivationMemory, activation_memory
 from .parity_check import CheckReport, check
 from .checkpoint import load_checkpoint, load_pretrained, merge_checkpoint, save_checkpoint, save_pretrained
+from .checkpoint.dcp import dcp_state
 from .config import ParallelConfig
 from .deferred import deferred_init
 from .groups import current_topology, gather, reduce, split
@@ -58,6 +59,7 @@ __all__ = [
     "check",
     "current_topology",
     "data_parallel_info",
+    "dcp_state",
     "deferred_init",
     "gather",
     "init_distributed",
