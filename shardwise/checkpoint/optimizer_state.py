@@ -30,7 +30,7 @@ from ..tensors import content_lines, local
 def _group_names(pmodel, optimizer) -> list[list[str]]:
     """Each parameter group's parameters by canonical name, over every pipeline rank, in
     the module's order (the order one process's optimizer numbers them in)."""
-    from . import _group_names as rank_group_names
+    from .regions import _group_names as rank_group_names
 
     mine = rank_group_names(pmodel, optimizer)
     every: list[Any] = [None] * pmodel.topology.world_size
@@ -49,7 +49,7 @@ def full_optimizer_state(pmodel, optimizer) -> dict[str, Any]:
 
 
 def _gathered(pmodel, optimizer) -> dict[str, Any]:
-    from . import _part, _pieces, _regions
+    from .regions import _part, _pieces, _regions
 
     owned: list[tuple[str, str, tuple, torch.Tensor, tuple]] = []  # name, key, whole shape, local part, global rect
     for name, piece in _pieces(pmodel):
@@ -140,7 +140,8 @@ def _as_tensor(name: str, key: str, value: Any) -> torch.Tensor:
 
 def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
     """Give every piece of `optimizer` its part of the whole state `state_dict` (collective)."""
-    from . import _like, _part, _pieces, _regions
+    from . import _like
+    from .regions import _part, _pieces, _regions
 
     problem, checked, lines = None, None, ["(an optimizer state this rank refused)"]
     names = _group_names(pmodel, optimizer)  # collective: before anything that may raise on one rank
