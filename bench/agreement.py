@@ -3,14 +3,13 @@
     python bench/agreement.py [--iters 400]
 
 Measured on local gloo ranks: one point-to-point exchange of 48 bytes (the latency alpha of
-a step of any small-message algorithm), shardwise's agreement (its fast path: a
-recursive-doubling sum of six int64 check sums), and gloo's own all-reduce and all-gather of
-the same record. Then, for worlds of 64 to 16,384 ranks, the dependent message steps each
-algorithm takes (counted from shardwise's real schedule, `small_allreduce.exchanges`, and
-from the ring algorithms gloo runs) times the measured alpha: the growth law is log2(n) for
-the agreement, n for an all-gathered record per rank, 2n for gloo's ring all-reduce. (A
-simulation: this machine has 2 cores; at 4 ranks and more the measured numbers are mostly
-the ranks waiting for a core, which is printed too.)
+a step of any small-message algorithm), shardwise's agreement (an all-gather of a 48-byte
+record per rank), and gloo's own all-reduce and all-gather of one record. Then, for worlds
+of 64 to 16,384 ranks, the dependent message steps of each algorithm times the measured
+alpha: gloo's all-gather is a ring of n-1 steps, its all-reduce a ring of 2(n-1) (so a
+fixed-size all-reduce of check sums, which was tried, is slower under gloo than the
+all-gather); recursive doubling would take about log2(n). (A simulation: this machine has 2
+cores; at 4 ranks the measured numbers are mostly ranks waiting for a core.)
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.small_allreduce import exchanges
 
 
 def _median_us(fn, iters: int) -> float:
@@ -62,9 +60,13 @@ def _measure(iters: int) -> dict[str, float]:
 
 
 def steps(world: int) -> dict[str, int]:
-    """Dependent message steps of each algorithm for a small message at `world` ranks."""
-    recursive = max(len(list(exchanges(i, world))) for i in range(world)) if world > 1 else 0
-    return {"shardwise agreement": recursive, "gloo all_gather": world - 1, "gloo all_reduce": 2 * (world - 1)}
+    """Dependent message steps of each algorithm for a small message at `world` ranks: gloo's
+    rings, and recursive doubling (ceil(log2 p) exchanges, p the largest power of two <= n,
+    plus one before and one after when n is not a power of two)."""
+    p = 1 << (world.bit_length() - 1)
+    return {"recursive doubling": (p.bit_length() - 1) + 2 * (world != p), "gloo all_gather (the agreement)":
+            world - 1,
+            "gloo all_reduce": 2 * (world - 1)}
 
 
 def main() -> None:
@@ -79,14 +81,12 @@ def main() -> None:
         print(f"{n:>6} {m.get('p2p exchange', float('nan')):>13.0f} {m['shardwise agreement']:>10.0f} "
               f"{m['gloo all_reduce']:>11.0f} {m['gloo all_gather']:>11.0f}")
     print(f"\nmodelled from alpha = {alpha:.0f} us (one 48-byte exchange at 2 ranks) x dependent steps:")
-    print(f"{'ranks':>6} {'agreement steps':>16} {'ms':>7} {'all_gather steps':>17} {'ms':>8} "
-          f"{'all_reduce steps':>17} {'ms':>8}")
+    names = list(steps(2))
+    print(f"{'ranks':>6} " + " ".join(f"{name + ' steps':>34} {'ms':>8}" for name in names))
     for n in (64, 128, 256, 512, 1024, 16384):
         s = steps(n)
-        print(f"{n:>6} {s['shardwise agreement']:>16} {s['shardwise agreement'] * alpha / 1e3:>7.2f} "
-              f"{s['gloo all_gather']:>17} {s['gloo all_gather'] * alpha / 1e3:>8.1f} "
-              f"{s['gloo all_reduce']:>17} {s['gloo all_reduce'] * alpha / 1e3:>8.1f}")
-    print("growth: agreement ceil(log2 n) (+2 when n is not a power of two); all_gather n-1; all_reduce 2(n-1)")
+        print(f"{n:>6} " + " ".join(f"{s[name]:>34} {s[name] * alpha / 1e3:>8.2f}" for name in names))
+    print("growth: gloo all_reduce 2(n-1), all_gather n-1, recursive doubling ~log2 n")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Agreement between ranks before they communicate: one decision on every rank, in seconds.
 
 Every shardwise operation that communicates (parallelize, train_step, full_state_dict,
-checkpoints, ...) starts with `Coordinator.agree`, on a CPU (gloo) control group. Each rank
-has a record: which operation it is in and its sequence number, whether it met a problem
-before communicating (a bad file, a bad batch, a plan that does not resolve), a number to
-combine (a batch's sample count), and fingerprints that peers must share (the model's
-parameter shapes, the batch tensors' shapes and contents). The fast path is one sum of six
-int64 check sums, in log2(n) exchanges (small_allreduce.py; gloo's own all-reduce is a ring
-of 2(n-1) steps): problems counted, values summed, and for
-the operation, its sequence number and each fingerprint a sum that is zero exactly when the
-ranks that must agree do (`_zero_sum_term`). Only when a sum says something differs, or the
-operation needs every rank's value (`gather=True`), are the records all-gathered, to name the
-ranks. From the same sums and table every rank takes the same decision:
+checkpoints, ...) starts with `Coordinator.agree`: one all-gather, on a CPU (gloo) control
+group, of a fixed-size record per rank: which operation this rank is in and its sequence
+number, whether this rank met a problem before communicating (a bad file, a bad batch, a
+plan that does not resolve), a number to combine (a batch's sample count), and fingerprints
+that peers must share (the model's parameter shapes, the batch tensors' shapes and
+contents). (An all-reduce of fixed-size check sums was tried and measured: gloo runs it as a
+ring of 2(n-1) steps, twice the all-gather's n-1, so it cost more at every size; a
+recursive-doubling sum over isend/irecv would take log2(n) steps, but gloo cannot poll a
+point-to-point wait, a timed wait closes the connection, and the polling below is what names
+a stalled peer.) From the gathered table every rank takes the same decision:
 - a problem on any rank becomes the same `ShardwiseError` on every rank, naming the rank
   that found it, and nobody is left waiting in a collective the failing rank never joins;
 - ranks in different operations (`if rank == 0: pm.full_state_dict()`) pair up in this
@@ -46,7 +45,6 @@ import torch.distributed as dist
 
 from . import errors
 from .errors import CommunicationError, ShardwiseError
-from .small_allreduce import SmallSum
 
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
               "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
@@ -57,22 +55,6 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
-_WRAP = 1 << 64
-
-
-def _int64(x: int) -> int:
-    """`x` modulo 2^64 as a signed int64 (sums of these wrap the same way on every backend)."""
-    x %= _WRAP
-    return x - _WRAP if x >= 1 << 63 else x
-
-
-def _zero_sum_term(code_value: int, position: int, size: int) -> int:
-    """This rank's term of a sum over a group that is 0 (mod 2^64) when every member holds the
-    same code: the first member adds (size-1)·code, the others subtract theirs. Members that
-    differ leave a non-zero sum except with odds ~2^-56 (codes are 56-bit hashes)."""
-    return _int64(code_value * (size - 1) if position == 0 else -code_value)
-
-
 def code(text: str) -> int:
     """A stable 56-bit code for a string (operation names, fingerprints)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
@@ -120,30 +102,26 @@ def fingerprint_of(lines: list[str]) -> int:
 
 @dataclass
 class Agreement:
-    """What every rank learned: the sum of every rank's `value`, and, when the agreement
-    gathered the records (`gather=True`, or something disagreed), one row of `FIELDS` per rank."""
+    """What every rank learned: one row of `FIELDS` per rank of the control group, and the
+    sum of the ranks' `value`s."""
 
     total: int
-    table: torch.Tensor | None = None  # (ranks, len(FIELDS)) int64
+    table: torch.Tensor  # (ranks, len(FIELDS)) int64
 
     def values(self) -> list[int]:
-        if self.table is None:
-            raise RuntimeError("this agreement did not gather per-rank records: agree(..., gather=True)")
         return self.table[:, FIELDS.index("value")].tolist()
 
 
 @dataclass
 class PendingAgreement:
-    """An agreement whose check sums are still being reduced (`Coordinator.begin`)."""
+    """An agreement whose records are still being gathered (`Coordinator.begin`)."""
 
     coordinator: "Coordinator"
     op: str
     problem: BaseException | None
     fingerprints: Sequence[Fingerprint]
-    record: torch.Tensor  # this rank's row of FIELDS
-    sums: torch.Tensor  # the CHECKS vector, summed over ranks once `work` completes
+    table: torch.Tensor
     work: Any
-    gather: bool
     settled: Agreement | None = None
 
     def result(self) -> Agreement:
@@ -175,7 +153,6 @@ class Coordinator:
         self.seq = 0
         self.out_of_step: str | None = None  # why this rank can no longer take part in collectives
         self.current = "idle"
-        self.fake = str(dist.get_backend(group)) == "fake"
         base = store if store is not None else default_store()
         self.store = dist.PrefixStore("shardwise/beacon/", base) if base is not None else None
 
@@ -257,18 +234,17 @@ class Coordinator:
 
     # agreement -------------------------------------------------------------------------
     def agree(self, op: str, problem: BaseException | None = None, *, value: int = 0,
-              fingerprints: Sequence[Fingerprint] = (), gather: bool = False) -> Agreement:
+              fingerprints: Sequence[Fingerprint] = ()) -> Agreement:
         """Every rank calls this at the same point of the same operation `op`.
 
         Raises the same error on every rank if any rank passes a `problem`, if ranks are in
         different operations, or if a fingerprint differs between ranks that must share it.
-        Returns the sum of the ranks' `value`s, and with `gather=True` every rank's record
-        (`Agreement.values()`).
+        Returns the gathered records (every rank's `value`, and their sum).
         """
-        return self.begin(op, problem, value=value, fingerprints=fingerprints, gather=gather).result()
+        return self.begin(op, problem, value=value, fingerprints=fingerprints).result()
 
     def begin(self, op: str, problem: BaseException | None = None, *, value: int = 0,
-              fingerprints: Sequence[Fingerprint] = (), gather: bool = False) -> "PendingAgreement":
+              fingerprints: Sequence[Fingerprint] = ()) -> "PendingAgreement":
         """`agree` in two halves: the records are gathered while the caller does local work;
         `result()` must come before the operation's first collective."""
         if self.out_of_step is not None:
@@ -285,46 +261,26 @@ class Coordinator:
         codes = [f.value for f in fingerprints] + [0] * (FINGERPRINTS - len(fingerprints))
         record = torch.tensor([code(op), self.seq, 1 if problem is not None else 0, int(value), *codes],
                               dtype=torch.int64)
-        sums = torch.tensor([_zero_sum_term(code(op), self.index, self.size),
-                             _zero_sum_term(self.seq, self.index, self.size), int(problem is not None), int(value),
-                             *(self._fingerprint_term(f) for f in fingerprints),
-                             *[0] * (FINGERPRINTS - len(fingerprints))], dtype=torch.int64)
-        work = None
-        if self.size > 1 and self.fake:  # torch's fake world: one process stands for every rank
-            work = dist.all_reduce(sums, group=self.group, async_op=True)
-        elif self.size > 1:
-            work = SmallSum(sums, self.group, self.ranks, self.index).start()
-        return PendingAgreement(self, op, problem, fingerprints, record, sums, work, gather)
-
-    def _fingerprint_term(self, fingerprint: Fingerprint) -> int:
-        groups = fingerprint.peers if fingerprint.peers is not None else [self.ranks]
-        group = next(g for g in groups if self.rank in g)
-        return _zero_sum_term(fingerprint.value, list(group).index(self.rank), len(group))
+        table, work = record.view(1, -1), None
+        if self.size > 1:
+            table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
+            work = dist.all_gather_single(table, record, group=self.group, async_op=True)
+        return PendingAgreement(self, op, problem, fingerprints, table, work)
 
     def settle(self, pending: "PendingAgreement") -> Agreement:
-        """Wait for a pending agreement's check sums and decide (`PendingAgreement.result`);
-        gather every rank's record if they show a disagreement, or if asked to."""
+        """Wait for a pending agreement's records and decide (`PendingAgreement.result`)."""
         op = pending.op
-        what = f"{op} #{self.seq} (its opening agreement)"
-        if isinstance(pending.work, SmallSum):
-            pending.work.finish(lambda work, step: self.wait(work, step, self.group), what)
-        elif pending.work is not None:
-            self.wait(pending.work, what, self.group)
-        sums = pending.sums.tolist()
-        total = sums[3]
-        if self.size == 1 or (not pending.gather and not any(sums[:3]) and not any(sums[4:])):
-            return Agreement(total, pending.record.view(1, -1) if self.size == 1 else None)
-        table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
-        self.wait(dist.all_gather_single(table, pending.record, group=self.group, async_op=True),
-                  f"{op} #{self.seq} (comparing the ranks' records)", self.group)
-        table = table.view(self.size, len(FIELDS))
+        table = pending.table
+        if pending.work is not None:
+            self.wait(pending.work, f"{op} #{self.seq} (its opening agreement)", self.group)
+            table = table.view(self.size, len(FIELDS))
         self._check_same_operation(op, table)
         flagged = table[:, FIELDS.index("problem")].nonzero().flatten().tolist()
         if flagged:
             self._raise_problem(op, pending.problem, flagged)
         for slot, fingerprint in enumerate(pending.fingerprints):
             self._check_fingerprint(op, table[:, FIELDS.index(f"fingerprint{slot}")].tolist(), fingerprint)
-        return Agreement(total, table)
+        return Agreement(int(table[:, FIELDS.index("value")].sum()), table)
 
     @contextlib.contextmanager
     def body(self, op: str) -> Iterator[None]:

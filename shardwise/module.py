@@ -68,6 +68,8 @@ class ParallelModule(nn.Module):
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
         self.losses = MicrobatchLosses(self)  # the microbatch loop of a step without a pipeline (step.py)
+        self.pending_save = None  # an asynchronous save still writing (checkpoint/save.py)
+        self.save_coordinator = None  # the agreement of asynchronous saves, over a group of their own
 
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +280,90 @@ def _llama_across_layouts(root: str):
 def test_hugging_face_llama_between_tensor_and_pipeline_layouts(tmp_path):
     """Saved at tp2 x dp2, loaded exactly into pp2 x dp2, saved again and loaded back."""
     assert sw.testing.run_on_ranks(_llama_across_layouts, 4, str(tmp_path)) == [[True, True]] * 4
+
+
+# -- asynchronous saves ---------------------------------------------------------------------
+def _save_async_and_train_on(path):
+    """The state at the call is what lands on disk, while training changes the tensors."""
+    pm, opt = _parallel({"tp": 2}, "gpt")
+    _train(pm, opt, BATCHES[:1])
+    at_save = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    handle = sw.save_checkpoint(path, pm, opt, async_=True)
+    assert isinstance(handle, sw.checkpoint.AsyncSave)
+    _train(pm, opt, BATCHES[1:3])  # the write goes on meanwhile
+    on_disk = _load_version(handle.wait())  # read now: the saves below replace this version
+    second = sw.save_checkpoint(path, pm, opt, async_=True)  # a later save waits for a pending one, too
+    sw.save_checkpoint(path, pm, opt, async_=True)
+    assert second.done()
+    return at_save, on_disk
+
+
+def _load_version(version):
+    """The model values a version holds, read directly (one process, no layout)."""
+    saved = sw.checkpoint.store.Reader(Path(version))
+    state = {}
+    for key in saved.meta["state_keys"]:
+        canonical = saved.meta["aliases"].get(key, key)
+        source = f"model/{canonical}" if f"model/{canonical}" in saved.keys else f"buffer/{canonical}"
+        state[key] = saved.read(source, tuple((0, s) for s in saved.keys[source]["shape"]))
+    return state
+
+
+def test_async_save_holds_the_state_at_the_call(tmp_path):
+    at_save, on_disk = sw.testing.run_on_ranks(_save_async_and_train_on, 4, str(tmp_path / "c"))[0]
+    assert on_disk.keys() == at_save.keys()
+    for key, value in at_save.items():
+        assert torch.equal(on_disk[key], value), key
+
+
+def _crash_during_async_save(path):
+    pm, opt = _parallel({"tp": 2}, "gpt")
+    _train(pm, opt, BATCHES[:1])
+    sw.save_checkpoint(path, pm, opt)
+    _train(pm, opt, BATCHES[1:2])
+    if dist.get_rank() == 1:  # this rank's background writer dies halfway through its file
+        from shardwise.checkpoint import store
+
+        def die(tensors, filename):
+            with open(filename, "wb") as f:
+                f.write(b"half")
+            os._exit(1)
+
+        store.save_file = die
+    handle = sw.save_checkpoint(path, pm, opt, async_=True)
+    handle.wait()
+
+
+def test_a_crash_during_an_async_save_leaves_the_previous_version(tmp_path):
+    path = tmp_path / "c"
+    with pytest.raises(sw.RankFailedError):
+        sw.testing.run_on_ranks(_crash_during_async_save, 4, str(path), timeout=120, collective_timeout=10)
+    first = (path / "LATEST").read_text()
+    assert list(path.glob("v-*.tmp")), "the interrupted save is there, unpublished"
+    state = sw.testing.run_on_ranks(_load_state, 4, str(path))[0]
+    reference = make_gpt(0, n_layer=4)
+    opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    reference(BATCHES[0]).backward()
+    opt.step()
+    assert max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items()) <= 1e-5
+    assert (path / "LATEST").read_text() == first
+
+
+def _async_save_into_unshared_directories(root):
+    pm, opt = _parallel({"tp": 2}, "gpt")
+    _train(pm, opt, BATCHES[:1])
+    handle = sw.save_checkpoint(f"{root}/{dist.get_rank()}", pm, opt, async_=True)  # a directory per rank
+    start = time.monotonic()
+    try:
+        handle.wait()
+    except sw.CheckpointError as exc:
+        message = str(exc)
+    _train(pm, opt, BATCHES[1:2])  # training goes on after the failed save
+    sw.save_checkpoint(f"{root}/shared", pm, opt, async_=True).wait()
+    return message, time.monotonic() - start
+
+
+def test_a_failed_async_save_is_one_error_everywhere_and_training_goes_on(tmp_path):
+    results = sw.testing.run_on_ranks(_async_save_into_unshared_directories, 2, str(tmp_path), timeout=120)
+    assert results[0][0] == results[1][0] and "rank 1 does not see" in results[0][0], results
+    assert all(seconds < 10 for _, seconds in results), results

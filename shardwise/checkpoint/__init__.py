@@ -29,10 +29,10 @@ from ..errors import CheckpointError
 from ..state import check_state_dict
 from ..tensors import local
 from .regions import _buffers, _group_names, _part, _pieces, _regions
-from .save import _attempt, save_checkpoint
+from .save import AsyncSave, _attempt, save_checkpoint, wait_for_pending_save
 from .store import Reader, latest
 
-__all__ = ["save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained", "save_pretrained"]
+__all__ = ["AsyncSave", "save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained", "save_pretrained"]
 
 
 def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
@@ -44,6 +44,7 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
     ranks agree: a checkpoint that is bad on any rank, or missing from one rank's disk, is
     the same `CheckpointError` on every rank and changes nothing.
     """
+    wait_for_pending_save(pmodel)
     path = Path(path)
     topology = pmodel.topology
     if path.is_file():
