@@ -290,6 +290,9 @@ def _save_async_and_train_on(path):
     at_save = {k: v.clone() for k, v in pm.full_state_dict().items()}
     handle = sw.save_checkpoint(path, pm, opt, async_=True)
     assert isinstance(handle, sw.checkpoint.AsyncSave)
+    with torch.no_grad():  # at once, before the background write can have read them
+        for param in pm.parameters():
+            (param._local_tensor if hasattr(param, "_local_tensor") else param).add_(1.0)
     _train(pm, opt, BATCHES[1:3])  # the write goes on meanwhile
     on_disk = _load_version(handle.wait())  # read now: the saves below replace this version
     second = sw.save_checkpoint(path, pm, opt, async_=True)  # a later save waits for a pending one, too
