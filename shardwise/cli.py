@@ -214,6 +214,35 @@ def merge(checkpoint: str, out: str, optimizer: bool) -> None:
     click.echo(f"wrote {path}" + (f" and {path}.optimizer.pt" if optimizer else ""))
 
 
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--hf", "hugging_face", is_flag=True, required=True,
+              help="Write a Hugging Face directory (config.json, safetensors) that from_pretrained reads.")
+@click.option("--model", "model_name", required=True,
+              help="pkg.module:factory building the module the checkpoint was saved from (config and key names).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Cast floating tensors to this dtype (default: as saved).")
+def export(checkpoint: str, out: str, hugging_face: bool, model_name: str, dtype: str | None) -> None:
+    """Export CHECKPOINT (saved by sw.save_checkpoint in any layout) as a Hugging Face model in OUT."""
+    import os
+    import sys
+
+    from .checkpoint import export_pretrained
+    from .parity_check import resolve
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    factory = resolve(model_name)
+    try:
+        with torch.device("meta"):  # config and names only: nothing is allocated
+            module = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory: its failure, named
+        raise click.BadParameter(f"{model_name}() raised {type(exc).__name__}: {exc}") from None
+    path = export_pretrained(checkpoint, out, module, getattr(torch, dtype) if dtype else None)
+    click.echo(f"wrote {path} (from_pretrained reads it)")
+
+
 def _count(text: str) -> int:
     """'16M', '512K', '2G' or a plain integer."""
     scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:].upper(), 1)

@@ -11,6 +11,7 @@ equal the checkpoint's bit for bit, and the loss `infer_step` computes must be o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,34 @@ def test_save_pretrained_from_tp2_x_pp2_is_what_from_pretrained_reads(tmp_path, 
         with torch.no_grad():
             got = float(CausalLM(loaded)(_batch()))
         assert abs(got - loss) <= EPS_LOSS * abs(loss), (got, loss)
+
+
+def hugging_face_lm():
+    """The module `shardwise export --model test_pretrained:hugging_face_lm` builds (on meta)."""
+    return CausalLM(transformers.LlamaForCausalLM(_config(False)))
+
+
+def _save_sharded(path: str):
+    pm = sw.parallelize(_build(False), sw.ParallelConfig(tp=2), plan="llama")
+    sw.save_checkpoint(path, pm)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def test_shardwise_export_writes_what_from_pretrained_reads(tmp_path, monkeypatch):
+    """A tp2 checkpoint exported by the CLI, one process, no GPU: from_pretrained's values are
+    the checkpoint's, in the dtype asked for."""
+    from click.testing import CliRunner
+
+    from shardwise.cli import main
+
+    state = sw.testing.run_on_ranks(_save_sharded, 2, str(tmp_path / "ck"))[0]
+    monkeypatch.chdir(Path(__file__).parent)  # the factory's module, importable as `python -m` would find it
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--hf",
+                                       "--model", "test_pretrained:hugging_face_lm", "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.bfloat16)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, state[f"lm.{key}"].to(torch.bfloat16)), key
+    refused = CliRunner().invoke(main, ["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--hf", "--model",
+                                        "torch.nn:Identity"])
+    assert refused.exit_code != 0 and "holds no Hugging Face model" in refused.output, refused.output

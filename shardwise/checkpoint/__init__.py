@@ -32,7 +32,7 @@ from .regions import _buffers, _group_names, _part, _pieces, _regions
 from .save import AsyncSave, _attempt, save_checkpoint, wait_for_pending_save
 from .store import Reader, latest
 
-__all__ = ["AsyncSave", "save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained", "save_pretrained"]
+__all__ = ["AsyncSave", "export_pretrained", "save_checkpoint", "load_checkpoint", "merge_checkpoint", "load_pretrained", "save_pretrained"]
 
 
 def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
@@ -266,16 +266,7 @@ def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False)
     if optimizer and not reader.meta["optimizer"]:
         raise CheckpointError(f"checkpoint {str(reader.version)!r} has no optimizer state to merge; "
                               "merge without --optimizer")
-    meta = reader.meta
-    state = {}
-    for key in meta["state_keys"]:
-        canonical = meta["aliases"].get(key, key)
-        source = next((f"{kind}/{canonical}" for kind in ("master", "model", "buffer")
-                       if f"{kind}/{canonical}" in reader.keys), None)
-        if source is None:
-            raise CheckpointError(f"checkpoint {str(reader.version)!r} has no values for {key!r}")
-        shape = reader.keys[source]["shape"]
-        state[key] = reader.read(source, tuple((0, s) for s in shape)).clone()
+    state = _merged_state(reader)
     merged_optimizer = _merged_optimizer(reader) if optimizer else None
 
     def write() -> None:
@@ -293,6 +284,38 @@ def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False)
     if problem is not None:
         raise problem
     return out
+
+
+def _merged_state(reader: Reader) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from a validated checkpoint, float32 masters preferred."""
+    meta, state = reader.meta, {}
+    for key in meta["state_keys"]:
+        canonical = meta["aliases"].get(key, key)
+        source = next((f"{kind}/{canonical}" for kind in ("master", "model", "buffer")
+                       if f"{kind}/{canonical}" in reader.keys), None)
+        if source is None:
+            raise CheckpointError(f"checkpoint {str(reader.version)!r} has no values for {key!r}")
+        shape = reader.keys[source]["shape"]
+        state[key] = reader.read(source, tuple((0, s) for s in shape)).clone()
+    return state
+
+
+def export_pretrained(path: str | Path, out: str | Path, module: torch.nn.Module,
+                      dtype: torch.dtype | None = None) -> Path:
+    """Write the checkpoint at `path` as a Hugging Face directory `out` (`from_pretrained`
+    reads it), for `module`, the model it was saved from (its Hugging Face part gives config
+    and key names; it may be on the meta device). One process, no GPU."""
+    from .pretrained import hugging_face_model, write_pretrained
+
+    reader = Reader(latest(Path(path)))
+    reader.validate(range(reader.meta["world_size"]))
+    prefix, hf_model = hugging_face_model(module)
+    state = _merged_state(reader)
+    problem = _attempt(lambda: write_pretrained(hf_model, prefix, state, Path(out), dtype, "5GB"),
+                       f"cannot write the Hugging Face model to {str(out)!r}")
+    if problem is not None:
+        raise problem
+    return Path(out)
 
 
 def _merged_optimizer(reader: Reader) -> dict[str, Any]:
