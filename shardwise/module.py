@@ -99,10 +99,11 @@ class ParallelModule(nn.Module):
             raise ModelError(f"with {'pp' if self.pipeline is not None else 'cp'} > 1 a forward spans ranks (and "
                              "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         self._forwards += 1
+        problem = None
         if self._forwards == 1 and self.topology.size("dp") > 1:
             upstream = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad and t.grad_fn is not None]
-            if upstream:
-                raise ModelError(
+            if upstream:  # agreed below: the first forward always agrees, so every rank raises it
+                problem = ModelError(
                     f"{type(self.module).__name__}'s ParallelModule was called on a tensor computed from trainable "
                     f"parameters outside it ({tuple(upstream[0].shape)}, from {type(upstream[0].grad_fn).__name__}): "
                     "shardwise cannot synchronize those parameters' gradients across replicas, so they would drift "
@@ -110,7 +111,7 @@ class ParallelModule(nn.Module):
                     "the plan to a submodule)")
         if self.topology.world_size > 1 and (self._forwards - 1) % self.config.check_every == 0:
             lines = batch_signature((args, kwargs))
-            self.coordinator.agree("forward", fingerprints=[Fingerprint(
+            self.coordinator.agree("forward", problem, fingerprints=[Fingerprint(
                 fingerprint_of(lines), lambda: lines, BatchError,
                 "Ranks of one replica (its tp, cp and pp ranks) must call the module with the same inputs",
                 peers=self.topology.peer_groups("pp", "cp", "tp"))])
