@@ -94,10 +94,10 @@ def test_hugging_face_weights_load_into_every_layout(saved):
             assert abs(loss - want_loss) <= EPS_LOSS * abs(want_loss), (name, rank, loss, want_loss)
 
 
-def _refusals(good: str, other: str, missing: str):
+def _refusals(good: str, other: str, missing: str, truncated: str):
     found = {}
     for name, path in {"another configuration": other, "a directory without weights": missing,
-                       "a missing key": good}.items():
+                       "a missing key": good, "a truncated file": truncated}.items():
         pm = sw.parallelize(_build(True), sw.ParallelConfig(tp=2), plan="llama")
         if name == "a missing key":  # the checkpoint has no values for the wrapper's own layer
             pm = sw.parallelize(torch.nn.ModuleDict({"lm": _build(True).lm, "extra": torch.nn.Linear(2, 2)}))
@@ -115,12 +115,17 @@ def test_refusals_name_the_file_and_key(tmp_path):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **{**COMMON, "hidden_size": 64})) \
         .save_pretrained(other)
     (tmp_path / "empty").mkdir()
-    results = sw.testing.run_on_ranks(_refusals, 2, str(directory), str(other), str(tmp_path / "empty"))
+    truncated = tmp_path / "truncated.safetensors"
+    data = (directory / "model.safetensors").read_bytes()
+    truncated.write_bytes(data[:len(data) // 2])
+    results = sw.testing.run_on_ranks(_refusals, 2, str(directory), str(other), str(tmp_path / "empty"),
+                                      str(truncated))
     assert results[0] == results[1]
     assert "'model.embed_tokens.weight' has shape (64, 64), the model's 'lm.model.embed_tokens.weight' is (64, 32)" \
         in results[0]["another configuration"], results[0]
     assert "holds no Hugging Face weights" in results[0]["a directory without weights"]
     assert "missing ['extra.bias', 'extra.weight']" in results[0]["a missing key"], results[0]
+    assert "truncated.safetensors" in results[0]["a truncated file"], results[0]
 
 
 def _export(directory: str, dtype, tied: bool):

@@ -78,9 +78,12 @@ class _File:
 
     def read(self, key: str, rect: tuple) -> torch.Tensor:
         index = tuple(slice(lo, hi) for lo, hi in rect)
-        if self._safe is not None:
-            return self._safe.get_slice(key)[index] if rect else self._safe.get_tensor(key)
-        return self._tensors[key][index]
+        try:
+            if self._safe is not None:
+                return self._safe.get_slice(key)[index] if rect else self._safe.get_tensor(key)
+            return self._tensors[key][index]
+        except (SafetensorError, RuntimeError, KeyError, OSError) as exc:  # one rank's bad bytes: agreed, not raw
+            raise CheckpointError(f"{str(self.path)!r}: {key!r} cannot be read ({exc})") from None
 
 
 def _open(path: Path) -> _File:
