@@ -120,7 +120,8 @@ def match_names(pmodel, files: dict[str, Path]) -> dict[str, str]:
     for alias, canonical in pmodel.index.aliases.items():
         aliases.setdefault(canonical, []).append(alias)
     best: dict[str, str] = {}
-    for translate in _translations(pmodel.module):
+    translations = _translations(pmodel.module)
+    for translate in translations:
         found = {}
         for name in ours:
             for candidate in aliases.get(name, [name]):
@@ -131,7 +132,7 @@ def match_names(pmodel, files: dict[str, Path]) -> dict[str, str]:
         if len(found) > len(best):
             best = found
     missing = sorted(set(ours) - set(best))
-    every_name = {translate(alias) for translate in _translations(pmodel.module) for alias in pmodel.index.aliases}
+    every_name = {translate(alias) for translate in translations for alias in pmodel.index.aliases}
     unexpected = sorted(k for k in files if k not in every_name)  # a tied copy saved twice is expected
     if missing or unexpected:
         raise CheckpointError(f"the Hugging Face weights in {str(next(iter(files.values())).parent)!r} do not match "
