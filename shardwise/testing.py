@@ -12,6 +12,7 @@ nothing is left hanging.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -41,6 +42,7 @@ def _worker(rank, world_size, port, backend, collective_timeout, threads, call, 
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
+    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     try:
         if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
