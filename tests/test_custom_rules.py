@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise as sw
-from parity import Case, compare_cases, corpus_batches
+from parity import Case, compare_cases, corpus_batches, gpt_batches, make_gpt
 
 VOCAB, WIDTH, HEADS, SEQ = 64, 16, 4, 8
 
@@ -156,4 +156,15 @@ def test_registered_rule_with_a_partial_output_matches_one_process():
     """A rule returning tp.output(y, Partial()): the partial sums are all-reduced and the
     down projection's gradient is its own shard's (it was 99% off, issue 26)."""
     plan = {"params": {"mlp.up": ["Shard(0)"], "mlp.down": ["Shard(1)"]}}
-    compare_cases(2, [Case("tp2 fused mlp, partial output", {"tp": 2}, TinyMLPLM, batches(), plan=plan)])
+    compare_cases(2, [Case("tp2 fused mlp, partial output", {"tp": 2}, TinyMLPLM, batches(), plan=plan),
+                      Case("tp2 gpt, hooks on sharded Linears", {"tp": 2}, hooked_gpt, gpt_batches(4, 8), plan="gpt")])
+
+
+def hooked_gpt():
+    """Built-in rules are installed in place (as registered ones): the user's hooks on a
+    sharded Linear stay and run (here they change the result, so parity needs them to)."""
+    model = make_gpt(0)
+    mlp = model.layers[0].mlp
+    mlp.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    mlp.fc2.register_forward_hook(lambda module, args, out: out * 3.0)
+    return model

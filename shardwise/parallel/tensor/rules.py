@@ -13,11 +13,11 @@ collectives (`collectives.py`):
 A rule is `rule(path, module, placements) -> forward`: it checks (and may complete) the
 placements the plan gives the module's parameters, raising `PlanError` for layouts it cannot
 compute, and returns the forward that computes on the local shards. The built-in rules
-(`nn.Linear`, `nn.Embedding`, Hugging Face's `Conv1D`) are written so; their modules are
-replaced by a `TensorParallelModule` holding the same parameters (state-dict keys, tying and
-optimizers unchanged). `register_rule(ModuleClass, rule)` adds one for any other class; its
-forward is called as `forward(module, *args, tp=RuleContext)` in place of the module's own
-(the module stays, hooks included). `tensor_parallel_rules` is pure: it refuses a plan before
+(`nn.Linear`, `nn.Embedding`, Hugging Face's `Conv1D`) are written so. `register_rule(ModuleClass,
+rule)` adds one for any other class; its forward is called as `forward(module, *args,
+tp=RuleContext)`. Both are installed by `install_rule`: the module object stays (parameters,
+state-dict keys, tying, optimizers and the user's hooks unchanged; hooks see local shards)
+and its class becomes one whose forward is the rule's. `tensor_parallel_rules` is pure: it refuses a plan before
 anything communicates.
 """
 
@@ -46,14 +46,15 @@ def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    cls = getattr(module, "tensor_parallel_base", type(module))  # its class before install_rule
+    return cls.__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def column(module: TensorParallelModule, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     x = tp.parallel_input(x, tp.input_placement(path, Replicate()))
     weight, bias = _shard(module.weight), _shard(module.bias)
     with tp.keeping_shards():
-        if module.conv1d:
+        if _is_conv1d(module):
             flat = x.reshape(-1, x.shape[-1])
             y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
             y = y.view(*x.shape[:-1], -1)
@@ -62,19 +63,19 @@ def column(module: TensorParallelModule, x: torch.Tensor, *, tp: TensorParallel,
     return tp.module_output(y, path, Shard(-1))
 
 
-def row(module: TensorParallelModule, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+def row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
     weight = _shard(module.weight)
     tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
     try:
-        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if module.conv1d else F.linear(x, weight)
+        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
     finally:
         tp.computing_partial = False
     y = tp.module_output(y, path, Partial())
     return y if module.bias is None else y + _shard(module.bias)
 
 
-def vocab_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+def vocab_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
     weight = _shard(module.weight)
     start = tp.rank * weight.shape[0]
@@ -85,7 +86,7 @@ def vocab_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: Tens
     return tp.module_output(out.masked_fill(outside.unsqueeze(-1), 0.0), path, Partial())
 
 
-def feature_embedding(module: TensorParallelModule, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
+def feature_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
     ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
     out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
     return tp.module_output(out, path, Shard(-1))
@@ -143,26 +144,25 @@ def register_rule(module_class: type, rule: Any = None) -> Any:
     return attach(rule) if rule is not None else attach
 
 
-class TensorParallelModule(nn.Module):
-    """Stands in for an `nn.Linear`, `nn.Embedding` or `Conv1D` whose parameters the plan
-    shards: the same parameter objects (DTensors), computed on their local shards by `rule`."""
+def install_rule(module: nn.Module, forward: Any, classes: dict[type, type]) -> None:
+    """From now on `module` computes by `forward(module, *args, **kwargs)`: its class becomes a
+    subclass (one per class, kept in `classes`) whose forward calls it. The object stays, so
+    its parameters, attributes, state-dict keys and hooks do too; built-in and registered
+    rules are installed alike."""
+    cls = type(module)
+    if cls not in classes:
+        def ruled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self.tensor_parallel_forward(self, *args, **kwargs)
 
-    def __init__(self, original: nn.Module, rule: Any, tp: TensorParallel, path: str):
-        super().__init__()
-        self.weight = original.weight
-        self.register_parameter("bias", getattr(original, "bias", None))
-        self.original_type = type(original).__name__
-        self.conv1d = _is_conv1d(original)
-        self.padding_idx = getattr(original, "padding_idx", None)
-        self.scale_grad_by_freq = getattr(original, "scale_grad_by_freq", False)
-        self.sparse = getattr(original, "sparse", False)
-        self.rule, self.tp, self.path = rule, tp, path
+        def ruled_repr(self: nn.Module) -> str:
+            rule = getattr(self.tensor_parallel_forward, "func", self.tensor_parallel_forward)
+            return f"{cls.extra_repr(self)}, {getattr(rule, '__name__', 'registered')}-parallel".lstrip(", ")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rule(self, x, tp=self.tp, path=self.path)
-
-    def extra_repr(self) -> str:
-        return f"{self.original_type} {self.rule.__name__}-parallel, weight {tuple(self.weight.shape)}"
+        classes[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {
+            "forward": ruled_forward, "extra_repr": ruled_repr, "__module__": cls.__module__,
+            "tensor_parallel_base": cls})
+    module.__class__ = classes[cls]
+    module.tensor_parallel_forward = forward
 
 
 class ShardedDropout(nn.Dropout):
@@ -210,14 +210,7 @@ def rule_for(module: nn.Module) -> Any:
     return embedding_rule if _builtin_embedding(module) else None
 
 
-BUILTIN_FORWARDS = (column, row, vocab_embedding, feature_embedding)  # computed by a TensorParallelModule
-
-
-def _carries_hooks(module: nn.Module) -> bool:
-    """Whether a user registered forward or backward hooks on `module` (torch has no public
-    accessor; these are the dicts `register_*_hook` fill)."""
-    return any(getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                         "_backward_pre_hooks"))
+BUILTIN_FORWARDS = (column, row, vocab_embedding, feature_embedding)
 
 
 def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
@@ -230,11 +223,6 @@ def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
             "shard nn.Linear, nn.Embedding or transformers Conv1D modules (subclasses only if they keep their "
             f"forward), register one with sw.plan.register_rule({kind}, rule), or leave its parameters replicated")
     forward = rule(path, module, placements)
-    if forward in BUILTIN_FORWARDS and _carries_hooks(module):
-        raise PlanError(
-            f"{path} ({kind}) has forward or backward hooks and its parameters are sharded: it is replaced by a "
-            "TensorParallelModule, where those hooks would not run; register them on its parent, or after "
-            "sw.parallelize on the module at the same path")
     if not callable(forward):
         raise PlanError(f"the tensor-parallel rule for {kind} returned {forward!r}, not a forward function")
     return forward
@@ -293,8 +281,8 @@ def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str
     for path, placements in owned.items():
         shared = paths_of.get(id(modules.get(path)), [])
         if len(shared) > 1 and any(not isinstance(p, Replicate) for p in placements.values()):
-            raise PlanError(f"{type(modules[path]).__name__} {shared[0]!r} is one module used at {shared}: shardwise "
-                            "computes a tensor-parallel module in a module put in its place, once per path. Give each "
+            raise PlanError(f"{type(modules[path]).__name__} {shared[0]!r} is one module used at {shared}: a "
+                            "tensor-parallel module computes with the plan of one path. Give each "
                             "place its own module (sharing the parameters, if they are meant to be shared), or "
                             "leave it replicated")
     ruled = {path for path, placements in owned.items()
@@ -309,6 +297,6 @@ def tensor_parallel_rules(module: nn.Module, resolved: ResolvedPlan) -> dict[str
         placements = dict(placements)
         rules[path] = (_rule(path, mod, placements), placements)
         if not path:
-            raise PlanError(f"the root module ({type(mod).__name__}) itself is tensor-parallel; shardwise computes it "
-                            "in a module put in its place, so parallelize a module containing it")
+            raise PlanError(f"the root module ({type(mod).__name__}) itself is tensor-parallel; its outputs "
+                            "would reach the caller as this rank's shards, so parallelize a module containing it")
     return rules

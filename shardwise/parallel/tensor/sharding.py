@@ -2,8 +2,8 @@
 
 Parameters the plan shards become DTensors on the tp mesh (so state dicts, checkpoints,
 optimizers and norms see their global shape and placement); a module holding one must
-have a rule in `rules.py` and is replaced by a `TensorParallelModule` computing on
-the local shards. `TensorParallel` holds what the rules share within one forward.
+have a rule in `rules.py`, installed in place (`install_rule`) to compute on the local
+shards. `TensorParallel` holds what the rules share within one forward.
 
 Why not DTensor dispatch for the compute (as torch's `parallelize_module` does): its
 sharding propagation picks collectives by cost, so under sequence parallelism a linear may
@@ -42,8 +42,8 @@ from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
-from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, TensorParallelModule, column,
-                           feature_embedding, replace_module, row, tensor_parallel_rules)
+from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, column, feature_embedding, install_rule,
+                    replace_module, row, tensor_parallel_rules)
 
 
 class TensorParallel:
@@ -57,6 +57,7 @@ class TensorParallel:
         self.resolved = resolved
         self.partial_grad_params: set[int] = set()  # ids of replicated params whose grads are partial over tp
         self.sharded_modules: dict[str, str] = {}  # module path -> rule name
+        self.rule_classes: dict[type, type] = {}  # a module class -> its class computing by a rule (install_rule)
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
         self.first_forward_checked = False
         self._entered = WeakIdKeyDictionary()  # a tensor read by column-parallel modules -> {placement: entered}
@@ -212,8 +213,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: ResolvedPlan,
                           materialize: Callable[[str, Placement], torch.Tensor] | None = None) -> TensorParallel:
-    """Shard `module`'s parameters, put a `TensorParallelModule` in place of each module the plan
-    shards, and install the plan's activation conversions.
+    """Shard `module`'s parameters, install the rule of each module the plan shards, and install the plan's activation conversions.
 
     Args:
         module: the model (this rank's pipeline stages), materialized or deferred.
@@ -240,7 +240,7 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
 
 def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> None:
     """Sharded parameters become DTensors (one per tensor, shared by tied holders) and their
-    modules `TensorParallelModule`s."""
+    modules compute by their rules."""
     converted: dict[int, nn.Parameter] = {}
     for path, (rule, placements) in tensor_parallel_rules(module, tp.resolved).items():
         mod = module.get_submodule(path)
@@ -261,10 +261,8 @@ def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> N
                     data = distribute_tensor(param.detach(), tp.mesh, [placement], src_data_rank=0)
                 converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             setattr(mod, leaf, converted[id(param)])
-        if rule in BUILTIN_FORWARDS:
-            replace_module(module, mod, TensorParallelModule(mod, rule, tp, path))
-        else:  # a registered rule computes in the module's place, the module (and its hooks) staying
-            mod.forward = functools.partial(rule, mod, tp=RuleContext(tp, path))
+        install_rule(mod, functools.partial(rule, tp=tp, path=path) if rule in BUILTIN_FORWARDS
+                     else functools.partial(rule, tp=RuleContext(tp, path)), tp.rule_classes)
         if rule is row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
             tp.partial_grad_params.add(id(mod.bias))
     for _, mod in module.named_modules():  # tied copies held by modules without a rule
