@@ -18,9 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
-from .batch import batch_signature, map_tensors, to_device
-from .coordination import Fingerprint, fingerprint_of
-from .errors import BatchError, CheckpointError, ConfigError, ModelError
+from .batch import map_tensors, to_device
+from .errors import ConfigError, ModelError
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast
 from .parallel.context.sequence import ContextParallel
@@ -31,9 +30,9 @@ from .parallel.data.zero import OptimizerParams
 from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
-from .step import MicrobatchLosses, StepBatch, agree_on_batch
+from .step import MicrobatchLosses, StepBatch, agree_on_batch, check_forward
 from .step_output import StepOutput, check_reduce, concatenated
-from .tensors import local, tensor_leaves
+from .tensors import local
 from .topology import Topology
 
 
@@ -99,22 +98,7 @@ class ParallelModule(nn.Module):
             raise ModelError(f"with {'pp' if self.pipeline is not None else 'cp'} > 1 a forward spans ranks (and "
                              "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         self._forwards += 1
-        problem = None
-        if self._forwards == 1 and self.topology.size("dp") > 1:
-            upstream = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad and t.grad_fn is not None]
-            if upstream:  # agreed below: the first forward always agrees, so every rank raises it
-                problem = ModelError(
-                    f"{type(self.module).__name__}'s ParallelModule was called on a tensor computed from trainable "
-                    f"parameters outside it ({tuple(upstream[0].shape)}, from {type(upstream[0].grad_fn).__name__}): "
-                    "shardwise cannot synchronize those parameters' gradients across replicas, so they would drift "
-                    "apart. Parallelize the whole model once (sw.parallelize(outer_model, ..., parts=[...]) keeps "
-                    "the plan to a submodule)")
-        if self.topology.world_size > 1 and (self._forwards - 1) % self.config.check_every == 0:
-            lines = batch_signature((args, kwargs))
-            self.coordinator.agree("forward", problem, fingerprints=[Fingerprint(
-                fingerprint_of(lines), lambda: lines, BatchError,
-                "Ranks of one replica (its tp, cp and pp ranks) must call the module with the same inputs",
-                peers=self.topology.peer_groups("pp", "cp", "tp"))])
+        check_forward(self, args, kwargs)
         with self.in_step("forward"), self.loss_parallel():
             self.broadcast_buffers()  # before, as DDP: the backward that follows has no hook at its end
             return self.run_module(*args, **kwargs)
@@ -255,36 +239,13 @@ class ParallelModule(nn.Module):
         DTensors, a pipeline rank's own stages). Under ZeRO-3 the parameters are gathered
         whole and copied first, so there it is collective (every rank calls it, as FSDP's
         full state dict); a torch.save of it reads back. Plain keys: `full_state_dict()`."""
-        keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
-        if self.param_shards is None or keep_vars:
-            return super().state_dict(*args, **kwargs)
-        with self.coordinator.operation("state_dict"), self.whole_parameters():
-            out = super().state_dict(*args, **kwargs)
-            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-            for key, value in out.items():
-                if key.startswith(prefix) and isinstance(value, torch.Tensor):
-                    out[key] = value.clone()
-        return out
+        return state.module_state_dict(self, super().state_dict, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load what `state_dict()` returned (keys under `module.`): collective, checked on
         every rank first, and kept consistent with ZeRO's shards and master copies (which a
         plain nn.Module load would silently leave as they were)."""
-        if assign:
-            raise CheckpointError("load_state_dict(assign=True) would replace parameters that shardwise's buckets "
-                                  "and shards view; load with assign=False")
-        if not isinstance(state_dict, dict):
-            raise CheckpointError(f"a state dict maps names to tensors; got {type(state_dict).__name__}")
-        plain = {k.removeprefix("module."): v for k, v in state_dict.items()}
-        own = set(self.module.state_dict(keep_vars=True))
-        missing, unexpected = sorted(own - set(plain)), sorted(set(plain) - set(self.index.state_shapes))
-        problem = None
-        if strict and (missing or unexpected):
-            problem = CheckpointError(f"state dict does not match this rank's part of {type(self.module).__name__}: "
-                                      f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; pass this "
-                                      "model's state_dict() or strict=False")
-        state.load_full_state_dict(self, plain, strict=False, problem=problem)
-        return nn.modules.module._IncompatibleKeys([f"module.{k}" for k in missing], [f"module.{k}" for k in unexpected])
+        return state.load_module_state_dict(self, state_dict, strict, assign)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a plain state dict (as `full_state_dict` returns): each rank keeps its shards.

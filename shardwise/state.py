@@ -8,7 +8,7 @@ a dict that does not fit is the same `CheckpointError` on every rank before anyt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,42 @@ def _gather_stages(pmodel: "ParallelModule", own: dict[str, torch.Tensor], keys:
         broadcast_tensors(tensors, pipeline.group, 64 << 20, src=owner)
         found.update(zip((k for k, _, _ in received[0]), tensors))
     return {k: found[k] for k in keys if k in found}
+
+
+def module_state_dict(pmodel: "ParallelModule", module_state_dict: Callable[..., dict], *args: Any,
+                      **kwargs: Any) -> dict[str, Any]:
+    """`pmodel.state_dict()`: nn.Module's (`module_state_dict`), except under ZeRO-3, where the
+    parameters are gathered whole and copied first (collective there, as FSDP's full state dict)."""
+    keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+    if pmodel.param_shards is None or keep_vars:
+        return module_state_dict(*args, **kwargs)
+    with pmodel.coordinator.operation("state_dict"), pmodel.whole_parameters():
+        out = module_state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        for key, value in out.items():
+            if key.startswith(prefix) and isinstance(value, torch.Tensor):
+                out[key] = value.clone()
+    return out
+
+
+def load_module_state_dict(pmodel: "ParallelModule", state_dict: Any, strict: bool, assign: bool) -> Any:
+    """`pmodel.load_state_dict()`: what `state_dict()` returned (keys under `module.`), loaded
+    through `load_full_state_dict` so ZeRO's shards and master copies follow."""
+    if assign:
+        raise CheckpointError("load_state_dict(assign=True) would replace parameters that shardwise's buckets "
+                              "and shards view; load with assign=False")
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"a state dict maps names to tensors; got {type(state_dict).__name__}")
+    plain = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    own = set(pmodel.module.state_dict(keep_vars=True))
+    missing, unexpected = sorted(own - set(plain)), sorted(set(plain) - set(pmodel.index.state_shapes))
+    problem = None
+    if strict and (missing or unexpected):
+        problem = CheckpointError(f"state dict does not match this rank's part of {type(pmodel.module).__name__}: "
+                                  f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; pass this "
+                                  "model's state_dict() or strict=False")
+    load_full_state_dict(pmodel, plain, strict=False, problem=problem)
+    return nn.modules.module._IncompatibleKeys([f"module.{k}" for k in missing], [f"module.{k}" for k in unexpected])
 
 
 @torch.no_grad()

@@ -12,17 +12,22 @@ Loss reductions (step_output.py says what the user sees):
 
 from __future__ import annotations
 
+import functools
+import gc
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
 from .batch import batch_signature, batch_size, loss_of, split_batch
 from .coordination import Fingerprint, _agreed, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
 from .step_output import detached, tokens_of
-from .tensors import is_sharded, local
+from .tensors import is_sharded, local, tensor_leaves
 
 if TYPE_CHECKING:
     from .module import ParallelModule
@@ -83,6 +88,83 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
             total = int(counted.item())
     return StepBatch(batch, microbatches, samples * len(replicas) / total,  # exactly 1.0 when replicas are equal
                      loss_weights)
+
+
+def check_forward(pmodel: "ParallelModule", args: tuple, kwargs: dict) -> None:
+    """Before a plain forward: the first refuses inputs computed from trainable parameters
+    outside the module at dp > 1 (their gradients would never be synchronized); the first and
+    every `check_every`-th agree that a replica's ranks were given the same inputs."""
+    topology, problem = pmodel.topology, None
+    if pmodel._forwards == 1 and topology.size("dp") > 1:
+        upstream = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad and t.grad_fn is not None]
+        if upstream:  # agreed below: the first forward always agrees, so every rank raises it
+            problem = ModelError(
+                f"{type(pmodel.module).__name__}'s ParallelModule was called on a tensor computed from trainable "
+                f"parameters outside it ({tuple(upstream[0].shape)}, from {type(upstream[0].grad_fn).__name__}): "
+                "shardwise cannot synchronize those parameters' gradients across replicas, so they would drift "
+                "apart. Parallelize the whole model once (sw.parallelize(outer_model, ..., parts=[...]) keeps "
+                "the plan to a submodule)")
+        refuse_gradients_outside(pmodel)
+    if topology.world_size > 1 and (pmodel._forwards - 1) % pmodel.config.check_every == 0:
+        lines = batch_signature((args, kwargs))
+        pmodel.coordinator.agree("forward", problem, fingerprints=[Fingerprint(
+            fingerprint_of(lines), lambda: lines, BatchError,
+            "Ranks of one replica (its tp, cp and pp ranks) must call the module with the same inputs",
+            peers=topology.peer_groups("pp", "cp", "tp"))])
+
+
+def modules_holding(module: nn.Module) -> list[nn.Module]:
+    """Every module whose tree holds `module` (torch keeps no parent links, so they are found
+    by reference: a parent's `_modules` dict refers to its children)."""
+    found: dict[int, nn.Module] = {}
+    frontier = [module]
+    while frontier:
+        child = frontier.pop()
+        for children in gc.get_referrers(child):
+            if not isinstance(children, dict):
+                continue
+            for owner in _owners_of(children):
+                if id(owner) not in found:
+                    found[id(owner)] = owner
+                    frontier.append(owner)
+    return list(found.values())
+
+
+def _owners_of(children: dict) -> list[nn.Module]:
+    """The modules whose `_modules` is `children`: referring to it directly (Python >= 3.12's
+    inline attributes) or through their `__dict__`."""
+    owners = []
+    for holder in gc.get_referrers(children):
+        if isinstance(holder, nn.Module):
+            owners.append(holder)
+        elif isinstance(holder, dict) and holder.get("_modules") is children:
+            owners += [o for o in gc.get_referrers(holder) if isinstance(o, nn.Module) and o.__dict__ is holder]
+    return [o for o in owners if o.__dict__.get("_modules") is children]
+
+
+def refuse_gradients_outside(pmodel: "ParallelModule") -> None:
+    """At dp > 1, trainable parameters of the modules holding `pmodel` (a head applied to its
+    outputs, say) would get this replica's gradient alone and drift apart: the first gradient
+    one of them receives raises a ModelError on every rank (the same model, the same place)."""
+    holders = modules_holding(pmodel)
+    synchronizing = (nn.parallel.DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
+    if any(isinstance(h, synchronizing) for h in holders):
+        return  # DDP or FSDP synchronizes every parameter under it
+    own = {id(p) for p in pmodel.parameters()}
+    synced = {id(p) for h in holders for m in h.modules() if isinstance(m, synchronizing) for p in m.parameters()}
+    for holder in holders:
+        for name, param in holder.named_parameters():
+            if param.requires_grad and id(param) not in own | synced and not isinstance(param, DTensor):
+                own.add(id(param))
+                param.register_post_accumulate_grad_hook(functools.partial(
+                    _unsynchronized, name=f"{type(holder).__name__}.{name}", module=type(pmodel.module).__name__))
+
+
+def _unsynchronized(param: torch.Tensor, *, name: str, module: str) -> None:
+    raise ModelError(
+        f"{name} is trained together with {module}'s ParallelModule, which it holds, but outside it: at dp > 1 "
+        "each replica would keep its own gradient for it and the replicas would drift apart. Parallelize the whole "
+        "model once (sw.parallelize(outer_model, ..., parts=[...]) keeps the plan to a submodule), or freeze it")
 
 
 class MicrobatchLosses:

@@ -241,9 +241,6 @@ PLANS = {
     "linear subclass with its own forward": Case(lambda: sw.parallelize(
         _with_scaled_fc1(make_gpt(0)), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.mlp.fc1.weight": "Shard(0)"}}),
         "PlanError", "no tensor-parallel rule for ScaledLinear"),
-    "sharded module with a hook": Case(lambda: sw.parallelize(
-        _with_hooked_fc1(make_gpt(0)), sw.ParallelConfig(tp=2), plan={"params": {"layers.0.mlp.fc1.weight": "Shard(0)"}}),
-        "PlanError", "layers.0.mlp.fc1 (Linear) has forward or backward hooks"),
     "root module tensor-parallel": Case(lambda: sw.parallelize(nn.Linear(4, 4), sw.ParallelConfig(tp=2),
                                                                plan={"params": {"weight": "Shard(0)"}}),
                                         "PlanError", "the root module (Linear) itself is tensor-parallel"),
@@ -255,11 +252,6 @@ class ScaledLinear(nn.Linear):
 
     def forward(self, x):
         return 2.0 * super().forward(x)
-
-
-def _with_hooked_fc1(model: nn.Module) -> nn.Module:
-    model.layers[0].mlp.fc1.register_forward_hook(lambda module, args, out: out * 2)
-    return model
 
 
 def _with_scaled_fc1(model: nn.Module) -> nn.Module:
@@ -711,6 +703,25 @@ class _Outer(nn.Module):
         return self.inner(self.stem(x))
 
 
+class _Headed(nn.Module):
+    """A plain module applying its own trainable head to a ParallelModule's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = sw.parallelize(nn.Sequential(nn.Linear(4, 4)))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _headed(frozen: bool):
+    outer = _Headed()
+    outer.head.requires_grad_(not frozen)
+    outer(torch.randn(4, 4)).sum().backward()  # the head's gradient would be this replica's alone
+    return "trained"
+
+
 def _inside_a_plain_module():
     outer = _Outer()
     loss = outer(torch.randn(4, 4))[0]
@@ -846,6 +857,10 @@ RANKS2 = {
                                             check=lambda v: v == "stepped"),
     "an element-wise optimizer vouched for": Case(lambda: _optimizer_in(torch.optim.Adafactor, elementwise=True,
                                                                         zero=1), None, check=lambda v: v == "stepped"),
+    "a head trained on a ParallelModule's outputs": Case(lambda: _headed(frozen=False), "ModelError",
+                                                         "is trained together with Sequential's ParallelModule"),
+    "a frozen head on a ParallelModule's outputs": Case(lambda: _headed(frozen=True), None,
+                                                        check=lambda v: v == "trained"),
     "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
                                                check=lambda v: v == "trained"),
 }
