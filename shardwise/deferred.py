@@ -23,6 +23,7 @@ torchdistx's deferred_init is not part of torch, and `to_empty` followed by
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +56,31 @@ def is_deferred(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def release_freed_memory() -> None:
+    """Give memory freed by many large temporaries back to the system. glibc keeps freed
+    blocks below its (growing) mmap threshold in the heap, so after replaying a model's
+    initialization a rank would show about twice its shards resident though it holds only
+    them; `malloc_trim` returns them. A no-op where the C library has no such call."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class FreedMemory:
+    """Bytes of large temporaries freed since memory was last given back; past `every` bytes
+    it is given back (`release_freed_memory`), so what a rank holds follows what it uses."""
+
+    def __init__(self, every: int = 128 << 20):
+        self.every, self.bytes = every, 0
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        if self.bytes >= self.every:
+            self.bytes = 0
+            release_freed_memory()
+
+
 class _Recorder(TorchDispatchMode):
     """Records ops on fake tensors; runs each seeded op once on a real scratch tensor so the
     global generator advances exactly as eager construction advances it (seeding inside the
@@ -63,6 +89,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]] = []
+        self.freed = FreedMemory()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -73,6 +100,8 @@ class _Recorder(TorchDispatchMode):
             with no_dispatch():  # a real op on real scratch tensors, past the fake mode
                 scratch = tree_map(_scratch, (args, kwargs))
                 func(*scratch[0], **scratch[1])
+            self.freed.add(sum(t.untyped_storage().nbytes() for t in tree_flatten(scratch)[0]
+                               if isinstance(t, torch.Tensor) and not is_deferred(t)))
         self.ops.append((func, args, kwargs, out, rng_state))  # holds the fake tensors: storages stay unique
         return out
 
@@ -127,6 +156,7 @@ class _Replay:
         self.by_storage: dict[int, list[tuple]] = {}
         self.values: dict[str, torch.Tensor] = {}  # name -> kept (cut) tensor
         self.alive = self.peak_bytes = self.kept_bytes = 0
+        self.freed = FreedMemory()
 
     def run(self) -> dict[str, torch.Tensor]:
         saved = torch.get_rng_state()
@@ -174,9 +204,12 @@ class _Replay:
                 self.kept_bytes += kept.numel() * kept.element_size()
                 self.values.update(dict.fromkeys(names, kept))
         if keys:
-            self.alive -= self.real[keys[0]].untyped_storage().nbytes()
+            nbytes = self.real[keys[0]].untyped_storage().nbytes()
+            self.alive -= nbytes
         for key in keys:
             self.real.pop(key)
+        if keys:
+            self.freed.add(nbytes)  # what the process holds stays near peak_bytes
 
     def overwritten_at(self, storage: int, j: int) -> bool:
         """Op j overwrites the storage whole and nothing after it uses an older view."""
@@ -218,6 +251,7 @@ def deferred_init(factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) 
     if not isinstance(module, nn.Module):
         raise ModelError(f"deferred_init's factory returned {type(module).__name__}, not a torch.nn.Module")
     module.__dict__[_ATTR] = DeferredInit(recorder.ops)
+    release_freed_memory()  # the scratch tensors that advanced the generator
     return module
 
 
@@ -275,4 +309,5 @@ def materialize(module: nn.Module, resolved, topology) -> Callable[[str, Placeme
             if is_deferred(buffer):
                 setattr(mod, leaf, values[prefix + leaf])
     record.done = True
+    release_freed_memory()  # the whole tensors each shard was cut from
     return lambda name, placement: values[name]

@@ -97,17 +97,24 @@ def load_checkpoint(path: str | Path, pmodel, optimizer=None) -> Any:
 def load_pretrained(pmodel, path: str | Path) -> None:
     """Load Hugging Face weights (a `save_pretrained` directory, sharded or not, or one
     .safetensors / .bin file) into `pmodel`, whatever its layout; each rank reads only its own
-    shards' byte ranges (pretrained.py). Collective; checked on every rank before anything
-    changes, so a missing key or a shape that does not match is the same `CheckpointError`
-    everywhere."""
+    shards' byte ranges (pretrained.py) straight into its parameters. Collective; files, keys
+    and shapes are checked on every rank before anything changes, so a missing key or a shape
+    that does not match is the same `CheckpointError` everywhere; bytes that fail while read
+    are one too, the parameters then partly loaded."""
     from .pretrained import pretrained_reader
 
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    problem = None
+    problem, reader = None, None
     try:
-        _stage(pretrained_reader(pmodel, path), pmodel, None, staged, {})
+        reader = pretrained_reader(pmodel, path)  # files, keys and shapes: nothing read yet
     except CheckpointError as exc:
         problem = exc
+    pmodel.topology.coordinator.agree("load_pretrained/check", problem)
+    try:  # in place: pretrained weights usually initialize a deferred model, whose shards are all it may hold
+        with torch.no_grad():
+            _stage(reader, pmodel, None, staged, {}, in_place=True)
+    except CheckpointError as exc:
+        problem = CheckpointError(f"{exc}; the parameters are partly loaded: load them again before training")
     pmodel.topology.coordinator.agree("load_pretrained", problem)
     with pmodel.topology.coordinator.body("load_pretrained"), torch.no_grad():
         _commit(pmodel, staged)
@@ -158,13 +165,14 @@ def _superseded(path: Path, version: Path | None) -> CheckpointError | None:
                            "loaded (another job or process saves into this directory); load again")
 
 
-def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> None:
-    """Read every value this rank will load, without changing anything yet."""
+def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict, in_place: bool = False) -> None:
+    """Read every value this rank will load, without changing anything yet; `in_place` reads
+    parameters straight into the model's tensors (no second copy of this rank's shards)."""
     for name, piece in _pieces(pmodel):
         model = piece.model_values()
-        value, master = torch.empty_like(model), None
+        value, master = model if in_place else torch.empty_like(model), None
         if piece.write_back is not None:
-            master = torch.empty_like(piece.optimized.reshape(-1))
+            master = piece.optimized.reshape(-1) if in_place else torch.empty_like(piece.optimized.reshape(-1))
         optim_keys = [k for k in reader.keys if k.startswith(f"optim/{name}/")] if optimizer is not None else []
         state = {k.rsplit("/", 1)[1]: torch.empty(piece.end - piece.start, dtype=getattr(torch, reader.keys[k]["dtype"]),
                                                   device=model.device)
@@ -176,8 +184,9 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict) -> Non
                 _part(master, a, b, rect, sub).copy_(reader.read(source, g))
             for key, tensor in state.items():
                 _part(tensor, a, b, rect, sub).copy_(reader.read(f"optim/{name}/{key}", g))
-        staged.append((model, value))
-        if master is not None:
+        if not in_place:
+            staged.append((model, value))
+        if master is not None and not in_place:
             staged.append((piece.optimized.reshape(-1), master))
         if optimizer is not None:
             scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
