@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .compat import all_gather_single
 from .errors import CommunicationError, ShardwiseError
 
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
@@ -264,7 +265,7 @@ class Coordinator:
         table, work = record.view(1, -1), None
         if self.size > 1:
             table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
-            work = dist.all_gather_single(table, record, group=self.group, async_op=True)
+            work = all_gather_single(table, record, group=self.group, async_op=True)
         return PendingAgreement(self, op, problem, fingerprints, table, work)
 
     def settle(self, pending: "PendingAgreement") -> Agreement:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from .batch import batch_signature, batch_size, loss_of, split_batch
+from .compat import functional_all_gather
 from .coordination import Fingerprint, _agreed, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
 from .step_output import detached, tokens_of
@@ -221,7 +222,7 @@ class MicrobatchLosses:
         sequence parallelism makes them)."""
         tp = self.pmodel.tensor_parallel
         if self.loss_sharded is None:
-            values = funcol.wait_tensor(funcol.all_gather_single(local(loss.detach()).float().reshape(1), 0, tp.group))
+            values = funcol.wait_tensor(functional_all_gather(local(loss.detach()).float().reshape(1), 0, tp.group))
             spread = float(values.max() - values.min())
             self.loss_sharded = spread > 1e-4 * max(float(values.abs().max()), 1e-30)
         return 1.0 / tp.size if self.loss_sharded else 1.0
@@ -274,7 +275,7 @@ class MicrobatchLosses:
         if not named:
             return
         mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])
-        gathered = funcol.wait_tensor(funcol.all_gather_single(mine, 0, tp.group)).view(tp.size, len(named))
+        gathered = funcol.wait_tensor(functional_all_gather(mine, 0, tp.group)).view(tp.size, len(named))
         spread = (gathered.max(0).values - gathered.min(0).values) / gathered.abs().max(0).values.clamp_min(1e-30)
         bad = [name for (name, _), s in zip(named, spread.tolist()) if s > 1e-3]
         if bad:

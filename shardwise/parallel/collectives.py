@@ -27,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..compat import functional_all_gather, functional_reduce_scatter
 from ..errors import PlanError
 
 def _dim(placement: Shard, x: torch.Tensor) -> int:
@@ -38,7 +39,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
+    return funcol.wait_tensor(functional_all_gather(x.contiguous(), dim, group))
 
 
 def all_gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -61,7 +62,7 @@ def _divisible(x: torch.Tensor, dim: int, size: int) -> None:
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     _divisible(x, dim, dist.get_world_size(group))
-    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return funcol.wait_tensor(functional_reduce_scatter(x.contiguous(), "sum", dim, group))
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

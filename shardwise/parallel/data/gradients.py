@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm import CommStats, broadcast_tensors, coalesce, wait
+from ...compat import all_gather_single, reduce_scatter_single
 from ...config import ParallelConfig
 from ...errors import ShardwiseError
 from ...topology import Topology
@@ -212,7 +213,7 @@ class GradientBuckets:
             bucket.summary.copy_(self.summary.pack(self._used, reduce.size, bucket.device))
         if bucket.sharded:
             self.stats.record("reduce_scatter", bucket.grads)
-            bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
+            bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
         else:
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
@@ -272,7 +273,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.sharded:
                 full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-                dist.all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
+                all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
             else:
                 full = bucket.grads
             for param, offset, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes, bucket.shapes):

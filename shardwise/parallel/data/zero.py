@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm import wait
+from ...compat import all_gather_single
 from ...topology import Topology
 from .buckets import Bucket
 from .gradients import GradientBuckets
@@ -142,7 +143,7 @@ class OptimizerParams:
                 if self.zero.params_sharded and bucket.param_buffer.untyped_storage().nbytes() == 0:
                     continue  # released: the next use gathers the updated shard
                 self.gradients.stats.record("all_gather", bucket.param_buffer)
-                works.append((dist.all_gather_single(bucket.param_buffer, bucket.own_params, group=bucket.reduce.group,
+                works.append((all_gather_single(bucket.param_buffer, bucket.own_params, group=bucket.reduce.group,
                                                      async_op=True),
                               bucket))
             for work, bucket in works:

@@ -27,10 +27,10 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...comm import wait
+from ...compat import all_gather_single
 from ...tensors import tensor_leaves
 from .buckets import Bucket
 from .gradients import GradientBuckets
@@ -75,7 +75,7 @@ class ParameterShards:
             buffer = bucket.param_buffer
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
             self.stats.record("all_gather", buffer)
-            self._works[id(bucket)] = dist.all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
+            self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
                                                         async_op=True)
         if wait_now and id(bucket) in self._works:
             wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,

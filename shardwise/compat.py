@@ -1,0 +1,21 @@
+"""The torch API differences between the releases shardwise runs on (2.11 to the newest),
+in one place: each name here is the newer spelling where torch has it, the older one
+otherwise, so the rest of the package is written against one API.
+
+- `all_gather_single(output, input, group=, async_op=)`: torch 2.13's name for
+  `all_gather_into_tensor` (one flat output, the ranks' inputs concatenated on dim 0).
+- `reduce_scatter_single(output, input, group=, async_op=)`: 2.13's name for
+  `reduce_scatter_tensor`.
+- `functional_all_gather(x, dim, group)`, `functional_reduce_scatter(x, op, dim, group)`: the
+  functional collectives (traceable by compile), `*_single` from 2.13, `*_tensor` before.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
