@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
@@ -32,7 +31,7 @@ from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
 from .step import MicrobatchLosses, StepBatch, agree_on_batch, check_forward
 from .step_output import StepOutput, check_reduce, concatenated
-from .tensors import local
+from .tensors import local, whole
 from .topology import Topology
 
 
@@ -196,7 +195,7 @@ class ParallelModule(nn.Module):
             if self.pipeline is not None:
                 out = self.pipeline.infer_step(step.batch)
             else:
-                out = map_tensors(self.run_module(step.batch), lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+                out = map_tensors(self.run_module(step.batch), whole)
             if self.context_parallel is not None:
                 out = self.context_parallel.whole_outputs(out, step.loss_weights[0])
             if self.module.training:  # BatchNorm statistics moved

@@ -26,12 +26,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .batch import batch_size, loss_of, split_batch
 from .config import ParallelConfig
 from .errors import ConfigError
-from .tensors import tensor_leaves
+from .tensors import tensor_leaves, whole
 
 FLOAT_TOLERANCE = 1e-2
 HALF_TOLERANCE = 5e-2
@@ -118,7 +117,7 @@ def _checked_batches(data: Any) -> list:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().double()
+    return whole(t).detach().cpu().double()
 
 
 def _one_process(model, batches: list, lr: float, seed: int):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from .comm import broadcast_tensors
 from .coordination import Fingerprint, fingerprint_of
 from .errors import CheckpointError
-from .tensors import content_lines, local, shard_of
+from .tensors import content_lines, local, shard_of, whole
 
 if TYPE_CHECKING:
     from .module import ParallelModule
@@ -51,7 +51,7 @@ class ModelIndex:
 def full_state_dict(pmodel: "ParallelModule") -> dict[str, torch.Tensor]:
     with pmodel.coordinator.operation("full_state_dict"):
         with pmodel.whole_parameters():
-            own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+            own = {k: whole(v).clone()
                    for k, v in pmodel.module.state_dict().items()}
         return _gather_stages(pmodel, own, list(pmodel.index.stage_of_key or own))
 
@@ -64,7 +64,7 @@ def full_grad_dict(pmodel: "ParallelModule") -> dict[str, torch.Tensor]:
             grad = reduced.get(id(param), None if param.grad is None else local(param.grad))
             if grad is not None:
                 if isinstance(param, DTensor):
-                    grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False).full_tensor()
+                    grad = whole(DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False))
                 own[name] = grad.detach().clone()
         return _gather_stages(pmodel, own, [n for n in pmodel.index.param_names
                                             if n in own or pmodel.pipeline is not None])

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import ConfigError, ModelError
+from .tensors import whole
 
 REDUCTIONS = ("mean", "sum", "tokens")
 
@@ -61,7 +61,7 @@ def tokens_of(output: Any) -> torch.Tensor:
 def detached(output: Any) -> Any:
     """A microbatch's output kept for `StepOutput.outputs`: whole tensors, no graph."""
     leaves, spec = tree_flatten(output)
-    return tree_unflatten([(leaf.full_tensor() if isinstance(leaf, DTensor) else leaf).detach()
+    return tree_unflatten([whole(leaf).detach()
                            if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
 
 

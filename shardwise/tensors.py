@@ -11,6 +11,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten
 
+from .compat import all_gather_single
+
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensors of a nested structure (dicts, lists, tuples, dataclass outputs), in order."""
@@ -45,6 +47,24 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     if isinstance(placement, Shard):
         return full.chunk(size, placement.dim)[rank]
     return full
+
+
+def whole(tensor: Any) -> Any:
+    """A DTensor's full value on every rank (collective over its mesh); anything else as it is.
+    torch before 2.13 cannot gather a `_StridedShard` (its `full_tensor` raises), so a
+    strided tensor on one mesh dim is gathered here and its blocks put back in order (the
+    inverse of `shard_of`); it is not differentiable, as no caller needs that."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    placement = tensor.placements[0]
+    if len(tensor.placements) > 1 or not isinstance(placement, _StridedShard):
+        return tensor.full_tensor()
+    mine, size = tensor.to_local().detach().contiguous(), tensor.device_mesh.size()
+    gathered = torch.empty((size,) + tuple(mine.shape), dtype=mine.dtype, device=mine.device)
+    all_gather_single(gathered.view(-1), mine.view(-1), group=tensor.device_mesh.get_group())
+    dim = placement.dim % mine.dim()
+    pieces = [piece.chunk(placement.split_factor, dim) for piece in gathered.unbind(0)]  # [rank][block]
+    return torch.cat([pieces[r][b] for b in range(placement.split_factor) for r in range(size)], dim)
 
 
 def crc32(data: bytes | torch.Tensor) -> int:

@@ -47,14 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...batch import batch_size, loss_of, map_tensors, split_batch
 from ...config import SCHEDULES
 from ...plan.stages import StageLayout
 from ...random_state import rng_state, set_rng_state, without_trace
-from ...tensors import tensor_leaves
+from ...tensors import tensor_leaves, whole
 from ...topology import Topology
 from ..data.gradients import GradientSync
 from .runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
@@ -453,7 +452,7 @@ def _rebuild(program: Program, merged: tuple) -> Any:
     refs = [leaf for leaf in tree_flatten(program.output)[0] if isinstance(leaf, Ref)]
     values = []
     for leaf, tensor in zip(refs, merged):
-        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        tensor = whole(tensor)
         values.append(tensor.mean() if leaf.id in program.scalar_outputs else tensor)
     supply = iter(values)
     leaves, spec = tree_flatten(program.output)
