@@ -722,6 +722,24 @@ def _headed(frozen: bool):
     return "trained"
 
 
+class _SequenceMLP(nn.Module):
+    """An MLP over a sequence with its loss inside forward (tests/test_tensor_parallel.py's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential()
+        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return (self.mlp(x) - 0.5).pow(2).mean()
+
+
+def _sequence_mlp(plan: dict):
+    pm = sw.parallelize(_SequenceMLP(), sw.ParallelConfig(tp=2, sequence_parallel=True), plan=plan)
+    pm.train_step(torch.randn(4, 8, 4, generator=torch.Generator().manual_seed(0)))
+    return "trained"
+
+
 def _inside_a_plain_module():
     outer = _Outer()
     loss = outer(torch.randn(4, 4))[0]
@@ -861,6 +879,12 @@ RANKS2 = {
                                                          "is trained together with Sequential's ParallelModule"),
     "a frozen head on a ParallelModule's outputs": Case(lambda: _headed(frozen=True), None,
                                                         check=lambda v: v == "trained"),
+    "veScale's [[Shard(1)]] on an input that arrives whole": Case(
+        lambda: _sequence_mlp({"forward": {"mlp.fc1.input": [["Shard(1)"]], "mlp.fc2.output": [["Shard(1)"]]}}),
+        "PlanError", "it is the same on every tp rank: it arrives whole"),
+    "the same input split by the plan": Case(
+        lambda: _sequence_mlp({"forward": {"mlp.fc1.input": [["Replicate() -> Shard(1)"]], "mlp.fc2.input": [["Shard(1)"]],
+                                           "mlp.fc2.output": [["Shard(1)"]]}}), None, check=lambda v: v == "trained"),
     "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
                                                check=lambda v: v == "trained"),
 }

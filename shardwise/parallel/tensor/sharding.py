@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._mode_utils import no_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...comm import broadcast_tensors
@@ -40,6 +41,7 @@ from ...plan.plan import Conversion, placement_str
 from ...plan.resolve import ResolvedPlan
 from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
+from ...compat import all_gather_single
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
 from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, column, feature_embedding, install_rule,
@@ -60,6 +62,7 @@ class TensorParallel:
         self.rule_classes: dict[type, type] = {}  # a module class -> its class computing by a rule (install_rule)
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
         self.first_forward_checked = False
+        self.arrived_whole: list[PlanError] = []  # inputs declared sharded that came whole (first forward)
         self._entered = WeakIdKeyDictionary()  # a tensor read by column-parallel modules -> {placement: entered}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
         self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
@@ -85,12 +88,15 @@ class TensorParallel:
     def _checked(self, module: nn.Module) -> Iterator[None]:
         reducing = {p for p, rule in self.sharded_modules.items() if rule in ("row", "vocab_embedding")}
         row = {p for p, rule in self.sharded_modules.items() if rule == "row"}
+        self.arrived_whole = []
         with checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)) as flow:
             self._flow = flow
             try:
                 yield
             finally:
                 self._flow = None
+        if self.arrived_whole:  # after the flow check, whose diagnosis of the same plan says more
+            raise self.arrived_whole[0]
         self.first_forward_checked = True
 
     def input_placement(self, path: str, default: Placement) -> Placement:
@@ -285,6 +291,11 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
             mod.register_forward_pre_hook(
                 functools.partial(_convert_inputs, tp=tp, path=path, signature=inspect.signature(mod.forward)),
                 with_kwargs=True)
+        declared = [i for i, t in enumerate(placements) if t is not None and isinstance(t[0], Shard)]
+        if declared and tp.size > 1:
+            mod.register_forward_pre_hook(functools.partial(
+                _check_declared_shards, tp=tp, path=path, positions=declared, signature=inspect.signature(mod.forward)),
+                with_kwargs=True)
     for path, placements in tp.resolved.outputs.items():
         if path in tp.sharded_modules and isinstance(placements[0] and placements[0][0], Conversion):
             raise PlanError(
@@ -307,6 +318,33 @@ def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorPara
         if target is not None and isinstance(target[0], Conversion):
             bound.arguments[name] = tp.convert_input(bound.arguments[name], target[0], path)
     return bound.args, bound.kwargs
+
+
+def _check_declared_shards(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,
+                           positions: list[int], signature: inspect.Signature) -> None:
+    """Forward pre-hook, the first forward only: an input the plan declares to arrive as
+    `Shard(d)` (this rank's slice) that is the same on every tp rank arrived whole, and
+    computing on it as a slice would sum its parameters' gradients over tp (tp x too large);
+    the first forward ends in that PlanError.
+    veScale's `[[Shard(1)]]` means "split to"; here that is written "Replicate() -> Shard(1)"."""
+    if tp.first_forward_checked or tp.is_replaying(path):
+        return
+    bound = signature.bind_partial(*args, **kwargs)
+    tensors = [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
+    for i in positions:
+        if i >= len(tensors) or not tensors[i].is_floating_point() or tensors[i].numel() == 0:
+            continue
+        with no_dispatch():  # not a read of the model's: first-forward checks do not see it
+            flat = tensors[i].detach().float().flatten()
+            summary = torch.stack([flat.sum(), flat.square().sum(), flat.max(), flat.min()])
+            gathered = summary.new_empty(tp.size, 4)
+            all_gather_single(gathered.view(-1), summary, group=tp.group)
+        if bool((gathered == gathered[0]).all()) and float(summary[2]) > float(summary[3]):
+            shard = placement_str(tp.resolved.inputs[path][i][0])
+            tp.arrived_whole.append(PlanError(
+                f"activation {path}.input: the plan declares input {i} arrives as {shard} (each tp rank holding its "
+                f"slice), but it is the same on every tp rank: it arrives whole, and its parameters' gradients would "
+                f"be summed over tp. To split it there, write 'Replicate() -> {shard}'"))
 
 
 def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorParallel, path: str) -> Any:
