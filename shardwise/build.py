@@ -105,6 +105,13 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
     if not isinstance(module, nn.Module):
         raise ModelError(f"parallelize needs a torch.nn.Module, got {type(module).__name__}")
     for path, sub in module.named_modules():
+        if hasattr(sub, "_orig_mod") and type(sub).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            where = f"its submodule {path!r} is" if path else "it is"
+            raise ModelError(
+                f"{type(module).__name__}: {where} torch.compile's wrapper, which adds '_orig_mod.' to every "
+                "state-dict key and compiles the module before shardwise changes it. Parallelize the plain module, "
+                "then compile in place: block.compile() on each block of pmodel.module (keys unchanged)")
+    for path, sub in module.named_modules():
         if isinstance(sub, ParallelModule) or getattr(sub, PARALLELIZED, False):
             where = f"its submodule {path!r}" if path else "it"
             raise ModelError(

@@ -109,6 +109,10 @@ CONFIG = {
     "sequence parallel without tp": Case(config(sequence_parallel=True), "ConfigError", "tp=1 has none to shard over"),
     "recompute unknown": Case(config(recompute="blocks"), "ConfigError", "recompute='blocks' is not a recompute mode"),
     "recompute bool": Case(config(recompute=True), "ConfigError", "recompute=True is not a recompute mode"),
+    "a torch.compile'd model": Case(lambda: sw.parallelize(torch.compile(make_gpt(0))), "ModelError",
+                                    "is torch.compile's wrapper, which adds '_orig_mod.' to every state-dict key"),
+    "a torch.compile'd block": Case(lambda: sw.parallelize(_with_compiled_block(make_gpt(0))), "ModelError",
+                                    "its submodule 'layers.0' is torch.compile's wrapper"),
     "recompute without a layer list": Case(lambda: sw.parallelize(Tuple(), sw.ParallelConfig(recompute="full")),
                                            "PlanError", "Tuple has no ModuleList or Sequential"),
     "zero in plan and config disagree": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=1),
@@ -296,6 +300,11 @@ class ReturnsNone(nn.Module):
 
     def forward(self, x):
         self.lin(x)
+
+
+def _with_compiled_block(model: nn.Module) -> nn.Module:
+    model.layers[0] = torch.compile(model.layers[0])
+    return model
 
 
 class Tuple(nn.Module):

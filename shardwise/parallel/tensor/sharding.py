@@ -89,7 +89,9 @@ class TensorParallel:
         reducing = {p for p, rule in self.sharded_modules.items() if rule in ("row", "vocab_embedding")}
         row = {p for p, rule in self.sharded_modules.items() if rule == "row"}
         self.arrived_whole = []
-        with checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)) as flow:
+        # eager, without compiling: Dynamo would see the check's dispatch mode and skip compiled blocks for good
+        with torch.compiler.set_stance("force_eager"), \
+                checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)) as flow:
             self._flow = flow
             try:
                 yield
