@@ -104,7 +104,8 @@ def inject(name: str, config: dict) -> None:
 
         def forgetting(self, *args, **kwargs):
             out = original_convert(self, *args, **kwargs)
-            self._entered_storages.clear()
+            self._entered_storages.clear()  # the mark, by storage (eager) and by identity (compiled)
+            self._converted.clear()
             return out
 
         tensor.TensorParallel.convert_input = forgetting

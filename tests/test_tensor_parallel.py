@@ -338,32 +338,3 @@ def test_loss_on_sequence_sharded_activations_matches_one_process(name):
     'sharded-loss-whole' breaks it."""
     run_and_compare(2, {"tp": 2, "sequence_parallel": True}, ShardedLossMLP, _sequences(), plan=SHARDED_LOSS_PLANS[name])
 
-
-def _compiled_blocks_at_tp2():
-    """Our GPT at tp=2 with each block compiled in place (Dynamo's eager backend: it traces
-    as inductor would, without the C++ build): (losses, graphs Dynamo built)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2), plan="gpt")
-    for block in pm.module.layers:
-        block.compile(backend="eager")
-    opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
-    losses = []
-    for batch in gpt_batches(3, 8):
-        losses.append(float(pm.train_step(batch)))
-        opt.step()
-        opt.zero_grad()
-    return losses, counters["stats"]["unique_graphs"]
-
-
-def test_compiled_blocks_are_compiled_under_tensor_parallelism():
-    """The first forward's plan check is a dispatch mode; Dynamo seeing it skipped the compiled
-    blocks for good, so training ran eager without a word (issue 30). The check now runs them
-    eagerly once; later steps build graphs, and the losses are the eager run's."""
-    eager = reference_run(functools.partial(make_gpt, 0), gpt_batches(3, 8)).losses
-    (losses, graphs), _ = sw.testing.run_on_ranks(_compiled_blocks_at_tp2, 2)
-    assert graphs > 0, "no graph was built: the compiled blocks ran eager"
-    assert losses == pytest.approx(eager, rel=EPS_LOSS, abs=0), (losses, eager)
-

@@ -59,9 +59,11 @@ class ParameterShards:
                 for b in buckets:
                     units_of_bucket[id(b)] = units_of_bucket.get(id(b), 0) + 1
                 unit = module.get_submodule(path)
-                unit.register_forward_pre_hook(lambda m, args, kwargs, path=path: self._before_forward(path, (args, kwargs)),
-                                               with_kwargs=True)
-                unit.register_forward_hook(lambda m, args, out, path=path: self._after_forward(path, out))
+                # outside any compiled graph (as FSDP2's hooks): a compiled unit's body stays one graph
+                unit.register_forward_pre_hook(torch.compiler.disable(
+                    lambda m, args, kwargs, path=path: self._before_forward(path, (args, kwargs))), with_kwargs=True)
+                unit.register_forward_hook(torch.compiler.disable(
+                    lambda m, args, out, path=path: self._after_forward(path, out)))
         # Whole, always: buckets outside any unit, and those shared by pipeline stages (a tied
         # embedding): their stages use them at different times, so gathers would not line up.
         self._kept = [b for b in gradients.buckets if id(b) not in units_of_bucket or not b.reduce.same_params_on_members]

@@ -32,7 +32,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._mode_utils import no_dispatch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ...comm import broadcast_tensors
 from ...deferred import is_deferred
@@ -63,9 +62,13 @@ class TensorParallel:
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
         self.first_forward_checked = False
         self.arrived_whole: list[PlanError] = []  # inputs declared sharded that came whole (first forward)
-        self._entered = WeakIdKeyDictionary()  # a tensor read by column-parallel modules -> {placement: entered}
+        # a tensor read by column-parallel modules -> {placement: entered}, this forward's (a plain dict keyed
+        # by the tensor itself: Dynamo traces it inside a compiled block; cleared when the forward ends)
+        self._entered: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
         self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
+        self._converted: dict[torch.Tensor, str] = {}  # the same inputs themselves -> the converting module
+        self.views_of_gathered: str | None = None  # a module whose gathered input is read as a view (eager saw it)
         # the tensors whose storage ids key _gathered and _entered_storages, held until the forward ends so
         # that no new storage takes one of those ids (a stale hit would add a collective on one rank only)
         self._keyed_by_storage: list[torch.Tensor] = []
@@ -131,27 +134,48 @@ class TensorParallel:
         if not (isinstance(src, Shard) and isinstance(dst, Replicate)):
             return redistribute(x, src, dst, self.group)
         y = self.parallel_input(x, src)
-        self._entered_storages.add(storage_id(y.untyped_storage()))
-        self._keyed_by_storage.append(y)
+        self._converted[y] = path
+        if not torch.compiler.is_compiling():  # storages (views included) only where Dynamo does not trace
+            self._entered_storages.add(storage_id(y.untyped_storage()))
+            self._keyed_by_storage.append(y)
         if self._flow is not None:
             self._flow.mark_gathered(y, path)
         return y
 
     def parallel_input(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
         """`enter_parallel`, shared by every module that reads `x` in this forward."""
-        if isinstance(src, Replicate) and storage_id(x.untyped_storage()) in self._entered_storages:
+        if isinstance(src, Replicate) and self._converted and self._gathered_by_conversion(x):
             return x  # gathered by an input conversion, its backward already the reduce-scatter
         by_placement = self._entered.setdefault(x, {})
         entered = by_placement.get(str(src))
         if entered is None:
             entered = by_placement[str(src)] = enter_parallel(x, src, self.group)
-            if isinstance(src, Shard) and entered is not x:
+            if isinstance(src, Shard) and entered is not x and not torch.compiler.is_compiling():
                 gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
                 self._gathered[storage_id(entered.untyped_storage())] = gathered
                 self._keyed_by_storage.append(entered)
         return entered
 
+    def _gathered_by_conversion(self, x: torch.Tensor) -> bool:
+        """Whether `x` is an input a conversion gathered, or (eager only: storages) a view of one.
+        Compiled code sees the tensors themselves, so a plan whose column-parallel modules read
+        views of a gathered input is refused there (the eager forwards before say whether)."""
+        if x in self._converted:
+            return True
+        if torch.compiler.is_compiling():
+            if self.views_of_gathered:
+                raise PlanError(
+                    f"a compiled block reads a view of the input {self.views_of_gathered!r} gathers for its "
+                    "column-parallel modules; shardwise finds such views by storage, which Dynamo cannot trace. Give "
+                    "the conversion to the column-parallel modules themselves, or leave this block uncompiled")
+            return False
+        if self._entered_storages and storage_id(x.untyped_storage()) in self._entered_storages:
+            self.views_of_gathered = next(iter(self._converted.values()))
+            return True
+        return False
+
     def end_forward(self) -> None:
+        self._converted.clear()
         self._entered.clear()
         self._gathered.clear()
         self._entered_storages.clear()
@@ -175,8 +199,10 @@ class TensorParallel:
         """Around a column-parallel module's compute: an input all-gathered from sequence
         shards is saved for backward as this rank's shard and gathered again when backward
         needs it (as Megatron's sequence parallelism does), so activation memory is 1/tp.
-        Not inside recompute, whose own hooks already keep nothing."""
-        if not self._gathered or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        Not inside recompute, whose own hooks already keep nothing, nor in compiled code, whose
+        partitioner chooses what backward keeps."""
+        if torch.compiler.is_compiling() or not self._gathered \
+                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
