@@ -8,10 +8,14 @@ otherwise, so the rest of the package is written against one API.
   `reduce_scatter_tensor`.
 - `functional_all_gather(x, dim, group)`, `functional_reduce_scatter(x, op, dim, group)`: the
   functional collectives (traceable by compile), `*_single` from 2.13, `*_tensor` before.
+- `COMPILES_DTENSOR_PARAMETERS`: whether compiled code gives DTensor parameters their gradients
+  through `to_local()`. torch 2.11 does not (measured: every gradient of a compiled
+  tensor-parallel block zero, silently), so there compiling such a block is refused.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
@@ -19,3 +23,11 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+COMPILES_DTENSOR_PARAMETERS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def compiled_submodules(module: torch.nn.Module) -> list[str]:
+    """Paths of the submodules compiled in place (`module.compile()`) or wrapped by torch.compile."""
+    return [path for path, sub in module.named_modules()
+            if getattr(sub, "_compiled_call_impl", None) is not None or type(sub).__name__ == "OptimizedModule"]

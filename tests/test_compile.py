@@ -8,6 +8,10 @@ parallelism's per-forward caches are traceable dicts keyed by the tensors themse
 sequence parallelism's saved-shard hooks stay out of compiled code, and ZeRO-3's gather
 hooks run outside the graph, as FSDP2's do.
 
+On torch before 2.13 compiled code loses the gradients of DTensor parameters (every block
+gradient zero at tp=2 on 2.11), so there a compiled tensor-parallel block is refused, and
+that refusal is what the test checks.
+
 Faults this catches: the first forward's plan check (a dispatch mode) seen by Dynamo, which
 then skipped the blocks for good (no graph: issue 30); a storage-keyed lookup or a
 saved-tensor hook inside a block (graph breaks).
@@ -21,6 +25,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
 from parity import EPS_LOSS, SGD, gpt_batches, make_gpt, reference_run
 
 LAYOUTS = {
@@ -43,10 +48,14 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
             block.compile(backend="eager")
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
         losses = []
-        for batch in gpt_batches(3, 8):  # the whole batch on both replicas at dp2: their mean is one process's
-            losses.append(float(pm.train_step(batch)))
-            opt.step()
-            opt.zero_grad()
+        try:
+            for batch in gpt_batches(3, 8):  # the whole batch on both replicas at dp2: their mean is one process's
+                losses.append(float(pm.train_step(batch)))
+                opt.step()
+                opt.zero_grad()
+        except sw.ConfigError as exc:  # torch < 2.13 under tp: refused (below)
+            found[name] = str(exc)
+            continue
         found[name] = (losses, counters["stats"]["unique_graphs"], {k.splitlines()[0]: v for k, v in
                                                                       counters["graph_break"].items()})
     return found
@@ -59,6 +68,9 @@ def compiled():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, name):
+    if not COMPILES_DTENSOR_PARAMETERS and "tp" in LAYOUTS[name][0]:
+        assert "loses the gradients of tensor-parallel parameters" in compiled[name], compiled[name]
+        return
     eager = reference_run(functools.partial(make_gpt, 0), gpt_batches(3, 8)).losses
     losses, graphs, breaks = compiled[name]
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"

@@ -35,12 +35,12 @@ from torch.utils._mode_utils import no_dispatch
 
 from ...comm import broadcast_tensors
 from ...deferred import is_deferred
-from ...errors import PlanError
+from ...errors import ConfigError, PlanError
 from ...plan.plan import Conversion, placement_str
 from ...plan.resolve import ResolvedPlan
 from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
-from ...compat import all_gather_single
+from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single, compiled_submodules
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
 from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, column, feature_embedding, install_rule,
@@ -185,6 +185,11 @@ class TensorParallel:
     def forward(self, module: nn.Module) -> Iterator[None]:
         """Around one forward of `module` (or of a pipeline stage of it): the first is checked,
         and the per-forward state is dropped after each."""
+        if not COMPILES_DTENSOR_PARAMETERS and self.sharded_modules and compiled_submodules(module):
+            raise ConfigError(
+                f"{compiled_submodules(module)[:3]} are compiled, and torch {torch.__version__} loses the gradients of "
+                "tensor-parallel parameters inside compiled code (every one zero, without a word); compile them on "
+                "torch >= 2.13, or train them eager here")
         try:
             with self.check_first_forward(module):
                 yield
