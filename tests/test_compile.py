@@ -3,7 +3,7 @@
 Dynamo's eager backend traces exactly as inductor does (graphs, breaks, guards) without the
 C++ build, so the suite stays fast; the losses of three SGD steps must equal one eager process
 within tests/parity.py's EPS_LOSS (the same arithmetic, reordered only by the layout's
-collectives), and Dynamo must have built graphs with no graph break inside a block: tensor
+collectives), and Dynamo must have built graphs with no graph break inside a block (under pp, blocks compiled inside their stage): tensor
 parallelism's per-forward caches are traceable dicts keyed by the tensors themselves,
 sequence parallelism's saved-shard hooks stay out of compiled code, and ZeRO-3's gather
 hooks run outside the graph, as FSDP2's do.
@@ -32,6 +32,7 @@ LAYOUTS = {
     "tp2": ({"tp": 2}, "gpt"),
     "tp2 sp recompute": ({"tp": 2, "sequence_parallel": True, "recompute": "full"}, "gpt"),
     "zero3 dp2": ({"zero": 3}, None),
+    "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
 }
 
 
@@ -43,7 +44,8 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
     for name, (config, plan) in LAYOUTS.items():
         torch._dynamo.reset()
         counters.clear()
-        pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+        sample = gpt_batches(1, 8)[0][:4] if "pp" in config else None
+        pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan, sample=sample)
         for block in pm.module.layers:
             block.compile(backend="eager")
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
