@@ -38,6 +38,7 @@ from ...deferred import is_deferred
 from ...errors import ConfigError, PlanError
 from ...plan.plan import Conversion, placement_str
 from ...plan.resolve import ResolvedPlan
+from ...plan.stages import layer_list
 from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
 from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single, compiled_submodules
@@ -170,9 +171,16 @@ class TensorParallel:
                     "the conversion to the column-parallel modules themselves, or leave this block uncompiled")
             return False
         if self._entered_storages and storage_id(x.untyped_storage()) in self._entered_storages:
-            self.views_of_gathered = next(iter(self._converted.values()))
+            self.views_of_gathered = next(iter(self._converted.values()), "an input conversion")
             return True
         return False
+
+    def end_block(self) -> None:
+        """After each block of the main layer list: what its modules shared is dead, and a
+        compiled block must find these dicts empty (Dynamo guards on their keys, tensors
+        that are gone next step: it recompiled every step)."""
+        self._entered.clear()
+        self._converted.clear()
 
     def end_forward(self) -> None:
         self._converted.clear()
@@ -271,6 +279,9 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
         setattr(owner, attr, getattr(owner, attr) // tp.size)
     _install_rules(module, tp, materialize)
     _install_activation_conversions(module, tp)
+    blocks = layer_list(module)
+    for block in module.get_submodule(blocks) if blocks is not None else ():
+        block.register_forward_hook(lambda *_: tp.end_block())
     if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
         replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
         broadcast_tensors([t.data for t in replicated], tp.group, 64 << 20)
