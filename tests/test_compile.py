@@ -12,6 +12,11 @@ On torch before 2.13 compiled code loses the gradients of DTensor parameters (ev
 gradient zero at tp=2 on 2.11), so there a compiled tensor-parallel block is refused, and
 that refusal is what the test checks.
 
+The blocks share one compiled graph: the plan reaches compiled code as one interned layout
+object per distinct layout, never as a module path Dynamo would specialize each block on
+(ten blocks, past Dynamo's recompile limit of 8, which the test makes an error instead of a
+quiet fall back to eager).
+
 Faults this catches: the first forward's plan check (a dispatch mode) seen by Dynamo, which
 then skipped the blocks for good (no graph: issue 30); a storage-keyed lookup or a
 saved-tensor hook inside a block (graph breaks).
@@ -28,6 +33,7 @@ import shardwise as sw
 from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
 from parity import EPS_LOSS, SGD, gpt_batches, make_gpt, reference_run
 
+BLOCKS = 10  # more than Dynamo's recompile limit (8): blocks specialized by their path would fall back to eager
 LAYOUTS = {
     "tp2": ({"tp": 2}, "gpt"),
     "tp2 sp recompute": ({"tp": 2, "sequence_parallel": True, "recompute": "full"}, "gpt"),
@@ -40,12 +46,13 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
     """Per layout: losses of three steps, graphs built, graph breaks (reason -> count)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # blocks compiled once each would raise, not run eager
     found = {}
     for name, (config, plan) in LAYOUTS.items():
         torch._dynamo.reset()
         counters.clear()
         sample = gpt_batches(1, 8)[0][:4] if "pp" in config else None
-        pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan, sample=sample)
+        pm = sw.parallelize(make_gpt(0, n_layer=BLOCKS), sw.ParallelConfig(**config), plan=plan, sample=sample)
         for block in pm.module.layers:
             block.compile(backend="eager")
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
@@ -73,7 +80,7 @@ def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, n
     if not COMPILES_DTENSOR_PARAMETERS and "tp" in LAYOUTS[name][0]:
         assert "loses the gradients of tensor-parallel parameters" in compiled[name], compiled[name]
         return
-    eager = reference_run(functools.partial(make_gpt, 0), gpt_batches(3, 8)).losses
+    eager = reference_run(functools.partial(make_gpt, 0, n_layer=BLOCKS), gpt_batches(3, 8)).losses
     losses, graphs, breaks = compiled[name]
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"
     assert not breaks, f"{name}: graph breaks inside compiled blocks: {breaks}"

@@ -37,7 +37,7 @@ from ...plan.resolve import ResolvedPlan
 from ..collectives import redistribute
 
 if TYPE_CHECKING:
-    from .sharding import TensorParallel
+    from .sharding import ModuleLayout, TensorParallel
 
 
 def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
@@ -50,8 +50,8 @@ def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D:
     return cls.__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    x = tp.parallel_input(x, tp.input_placement(path, Replicate()))
+def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
+    x = tp.parallel_input(x, tp.input_placement(layout, Replicate()))
     weight, bias = _shard(module.weight), _shard(module.bias)
     with tp.keeping_shards():
         if _is_conv1d(module):
@@ -60,40 +60,40 @@ def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str)
             y = y.view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, weight, bias)
-    return tp.module_output(y, path, Shard(-1))
+    return tp.module_output(y, layout, Shard(-1))
 
 
-def row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    x = redistribute(x, tp.input_placement(path, Shard(-1)), Shard(-1), tp.group)
+def row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
+    x = redistribute(x, tp.input_placement(layout, Shard(-1)), Shard(-1), tp.group)
     weight = _shard(module.weight)
     tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
     try:
         y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
     finally:
         tp.computing_partial = False
-    y = tp.module_output(y, path, Partial())
+    y = tp.module_output(y, layout, Partial())
     return y if module.bias is None else y + _shard(module.bias)
 
 
-def vocab_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+def vocab_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(layout, Replicate()), Replicate(), tp.group)
     weight = _shard(module.weight)
     start = tp.rank * weight.shape[0]
     outside = (ids < start) | (ids >= start + weight.shape[0])
     pad = module.padding_idx
     pad = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
     out = F.embedding((ids - start).masked_fill(outside, 0), weight, pad, None, 2.0, module.scale_grad_by_freq, module.sparse)
-    return tp.module_output(out.masked_fill(outside.unsqueeze(-1), 0.0), path, Partial())
+    return tp.module_output(out.masked_fill(outside.unsqueeze(-1), 0.0), layout, Partial())
 
 
-def feature_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, path: str) -> torch.Tensor:
-    ids = redistribute(ids, tp.input_placement(path, Replicate()), Replicate(), tp.group)
+def feature_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
+    ids = redistribute(ids, tp.input_placement(layout, Replicate()), Replicate(), tp.group)
     out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
-    return tp.module_output(out, path, Shard(-1))
+    return tp.module_output(out, layout, Shard(-1))
 
 
 class RuleContext:
-    """What a registered rule's forward computes with, for the module at `path`:
+    """What a registered rule's forward computes with, for the modules of one layout:
     `rank`, `size` and `group` of tp; `local(param)`, a parameter's shard (gradients flow to
     the sharded parameter); `replicated_input(x)`, x whole on every rank with its gradient
     summed over tp (the input of column-parallel compute); `sharded_input(x, dim)`, this
@@ -102,21 +102,21 @@ class RuleContext:
     module (default: Partial is summed to Replicate, a shard stays a shard). The plan's input
     conversions for the module apply first, as for the built-in rules."""
 
-    def __init__(self, tp: TensorParallel, path: str):
-        self._tp, self._path = tp, path
+    def __init__(self, tp: TensorParallel, layout: ModuleLayout):
+        self._tp, self._layout = tp, layout
         self.rank, self.size, self.group = tp.rank, tp.size, tp.group
 
     def local(self, param: torch.Tensor | None) -> torch.Tensor | None:
         return _shard(param)
 
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
-        return self._tp.parallel_input(x, self._tp.input_placement(self._path, Replicate()))
+        return self._tp.parallel_input(x, self._tp.input_placement(self._layout, Replicate()))
 
     def sharded_input(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return redistribute(x, self._tp.input_placement(self._path, Shard(dim)), Shard(dim), self._tp.group)
+        return redistribute(x, self._tp.input_placement(self._layout, Shard(dim)), Shard(dim), self._tp.group)
 
     def output(self, y: torch.Tensor, placement: Placement) -> torch.Tensor:
-        return self._tp.module_output(y, self._path, placement)
+        return self._tp.module_output(y, self._layout, placement)
 
 
 _RULE = "__shardwise_tensor_rule__"

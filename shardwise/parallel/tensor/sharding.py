@@ -67,8 +67,11 @@ class TensorParallel:
         # by the tensor itself: Dynamo traces it inside a compiled block; cleared when the forward ends)
         self._entered: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
-        self._entered_storages: set[int] = set()  # inputs gathered by a conversion for column-parallel readers
-        self._converted: dict[torch.Tensor, str] = {}  # the same inputs themselves -> the converting module
+        self._entered_storages: dict[int, str] = {}  # inputs gathered by a conversion -> the converting module
+        self._converted: dict[torch.Tensor, bool] = {}  # the same inputs themselves (what compiled code sees)
+        self._layouts: dict[tuple, ModuleLayout] = {}  # interned by value (layout)
+        self._contexts: dict[int, RuleContext] = {}  # per layout (rule_context)
+        self._signatures: dict[type, inspect.Signature] = {}  # a module class's forward signature, shared
         self.views_of_gathered: str | None = None  # a module whose gathered input is read as a view (eager saw it)
         # the tensors whose storage ids key _gathered and _entered_storages, held until the forward ends so
         # that no new storage takes one of those ids (a stale hit would add a collective on one rank only)
@@ -105,14 +108,31 @@ class TensorParallel:
             raise self.arrived_whole[0]
         self.first_forward_checked = True
 
-    def input_placement(self, path: str, default: Placement) -> Placement:
-        """The placement module `path` computes on (after its input conversion, if any)."""
-        declared = self.resolved.inputs.get(path, ())
+    def rule_context(self, path: str) -> RuleContext:
+        """The `tp` a registered rule computes with, one per distinct layout (as `layout`)."""
+        layout = self.layout(path)
+        if id(layout) not in self._contexts:
+            self._contexts[id(layout)] = RuleContext(self, layout)
+        return self._contexts[id(layout)]
+
+    def layout(self, path: str) -> ModuleLayout:
+        """What the plan says of module `path`'s activations, one object per distinct layout
+        (every block of a transformer shares one), so a compiled block reads nothing that
+        differs by path and compiles once for all blocks."""
+        inputs, outputs = self.resolved.inputs.get(path, ()), self.resolved.outputs.get(path, ())
+        key = (repr(inputs), repr(outputs), path in self.resolved.loss_parallel)
+        if key not in self._layouts:
+            self._layouts[key] = ModuleLayout(tuple(inputs), tuple(outputs), key[2])
+        return self._layouts[key]
+
+    def input_placement(self, where: str | ModuleLayout, default: Placement) -> Placement:
+        """The placement a module (its path or layout) computes on (after its input conversion, if any)."""
+        declared = (self.layout(where) if isinstance(where, str) else where).inputs
         placement = declared[0][0] if declared and declared[0] is not None else default
         return placement.dst if isinstance(placement, Conversion) else placement
 
-    def output_placement(self, path: str, default: Placement) -> Placement:
-        declared = self.resolved.outputs.get(path, ())
+    def output_placement(self, where: str | ModuleLayout, default: Placement) -> Placement:
+        declared = (self.layout(where) if isinstance(where, str) else where).outputs
         return declared[0][0] if declared and declared[0] is not None else default
 
     @contextlib.contextmanager
@@ -135,12 +155,12 @@ class TensorParallel:
         if not (isinstance(src, Shard) and isinstance(dst, Replicate)):
             return redistribute(x, src, dst, self.group)
         y = self.parallel_input(x, src)
-        self._converted[y] = path
-        if not torch.compiler.is_compiling():  # storages (views included) only where Dynamo does not trace
-            self._entered_storages.add(storage_id(y.untyped_storage()))
+        self._converted[y] = True
+        if not torch.compiler.is_compiling():  # storages (views included) and paths only where Dynamo does not trace
+            self._entered_storages[storage_id(y.untyped_storage())] = path
             self._keyed_by_storage.append(y)
-        if self._flow is not None:
-            self._flow.mark_gathered(y, path)
+            if self._flow is not None:
+                self._flow.mark_gathered(y, path)
         return y
 
     def parallel_input(self, x: torch.Tensor, src: Placement) -> torch.Tensor:
@@ -171,7 +191,7 @@ class TensorParallel:
                     "the conversion to the column-parallel modules themselves, or leave this block uncompiled")
             return False
         if self._entered_storages and storage_id(x.untyped_storage()) in self._entered_storages:
-            self.views_of_gathered = next(iter(self._converted.values()), "an input conversion")
+            self.views_of_gathered = self._entered_storages[storage_id(x.untyped_storage())]
             return True
         return False
 
@@ -206,7 +226,7 @@ class TensorParallel:
 
     def is_replaying(self, path: str) -> bool:
         """Whether module `path` is being recomputed with inputs already converted."""
-        return path in self._replaying
+        return bool(self._replaying) and path in self._replaying  # path unread when empty (compiled code)
 
     def keeping_shards(self) -> contextlib.AbstractContextManager:
         """Around a column-parallel module's compute: an input all-gathered from sequence
@@ -226,13 +246,24 @@ class TensorParallel:
         gathered.pending += 1
         return gathered, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
 
-    def module_output(self, y: torch.Tensor, path: str, natural: Placement) -> torch.Tensor:
+    def module_output(self, y: torch.Tensor, layout: ModuleLayout, natural: Placement) -> torch.Tensor:
         default = Replicate() if isinstance(natural, Partial) else natural
-        dst = self.output_placement(path, default)
+        dst = self.output_placement(layout, default)
         y = redistribute(y, natural, dst, self.group)
-        if path in self.resolved.loss_parallel:
+        if layout.loss_parallel:
             return DTensor.from_local(y, self.mesh, [dst], run_check=False)
         return y
+
+
+class ModuleLayout:
+    """A module's activation placements from the plan: `inputs` and `outputs` (per tensor
+    argument / output, None or a tuple of placements, a `Conversion` first where one is
+    declared) and whether its output is loss-parallel. Interned by `TensorParallel.layout`."""
+
+    __slots__ = ("inputs", "outputs", "loss_parallel")
+
+    def __init__(self, inputs: tuple, outputs: tuple, loss_parallel: bool):
+        self.inputs, self.outputs, self.loss_parallel = inputs, outputs, loss_parallel
 
 
 class _GatheredInput:
@@ -311,8 +342,8 @@ def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> N
                     data = distribute_tensor(param.detach(), tp.mesh, [placement], src_data_rank=0)
                 converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             setattr(mod, leaf, converted[id(param)])
-        install_rule(mod, functools.partial(rule, tp=tp, path=path) if rule in BUILTIN_FORWARDS
-                     else functools.partial(rule, tp=RuleContext(tp, path)), tp.rule_classes)
+        install_rule(mod, functools.partial(rule, tp=tp, layout=tp.layout(path)) if rule in BUILTIN_FORWARDS
+                     else functools.partial(rule, tp=tp.rule_context(path)), tp.rule_classes)
         if rule is row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
             tp.partial_grad_params.add(id(mod.bias))
     for _, mod in module.named_modules():  # tied copies held by modules without a rule
@@ -331,15 +362,14 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
             tp.partial_grad_params.update(id(param) for param in mod.parameters(recurse=False))
             if isinstance(mod, nn.Dropout) and type(mod).forward is nn.Dropout.forward:
                 replace_module(module, mod, mod := ShardedDropout(mod, tp, first.dim))
+        signature = tp._signatures.setdefault(type(mod), inspect.signature(mod.forward))
         if any(t is not None and isinstance(t[0], Conversion) for t in placements):
-            mod.register_forward_pre_hook(
-                functools.partial(_convert_inputs, tp=tp, path=path, signature=inspect.signature(mod.forward)),
-                with_kwargs=True)
+            mod.register_forward_pre_hook(functools.partial(
+                _convert_inputs, tp=tp, path=path, layout=tp.layout(path), signature=signature), with_kwargs=True)
         declared = [i for i, t in enumerate(placements) if t is not None and isinstance(t[0], Shard)]
         if declared and tp.size > 1:
             mod.register_forward_pre_hook(functools.partial(
-                _check_declared_shards, tp=tp, path=path, positions=declared, signature=inspect.signature(mod.forward)),
-                with_kwargs=True)
+                _check_declared_shards, tp=tp, path=path, positions=declared, signature=signature), with_kwargs=True)
     for path, placements in tp.resolved.outputs.items():
         if path in tp.sharded_modules and isinstance(placements[0] and placements[0][0], Conversion):
             raise PlanError(
@@ -347,18 +377,19 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
                 f"{path}, whose rule knows its own output placement; give only the target, e.g. "
                 f"{placement_str(placements[0][0].dst)!r}")
         if path not in tp.sharded_modules:
-            module.get_submodule(path).register_forward_hook(functools.partial(_redistribute_output, tp=tp, path=path))
+            module.get_submodule(path).register_forward_hook(
+                functools.partial(_redistribute_output, tp=tp, layout=tp.layout(path)))
 
 
 def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,
-                    signature: inspect.Signature) -> tuple[tuple, dict] | None:
+                    layout: ModuleLayout, signature: inspect.Signature) -> tuple[tuple, dict] | None:
     """Forward pre-hook: the plan's input conversions, applied to the module's tensor
     arguments in the order of its forward's signature (the i-th placement, the i-th tensor)."""
     if tp.is_replaying(path):
         return None
     bound = signature.bind_partial(*args, **kwargs)
     names = [name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)]
-    for name, target in zip(names, tp.resolved.inputs[path]):
+    for name, target in zip(names, layout.inputs):
         if target is not None and isinstance(target[0], Conversion):
             bound.arguments[name] = tp.convert_input(bound.arguments[name], target[0], path)
     return bound.args, bound.kwargs
@@ -391,10 +422,10 @@ def _check_declared_shards(mod: nn.Module, args: tuple, kwargs: dict, *, tp: Ten
                 f"be summed over tp. To split it there, write 'Replicate() -> {shard}'"))
 
 
-def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorParallel, path: str) -> Any:
+def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorParallel, layout: ModuleLayout) -> Any:
     """Forward hook: move a module's output tensors to the plan's placements (from what the
     module computed on, or from the source a conversion "A -> B" names)."""
-    computed_on = tp.input_placement(path, Replicate())
+    computed_on = tp.input_placement(layout, Replicate())
 
     def move(tensor: torch.Tensor, target: tuple | None) -> torch.Tensor:
         if target is None:
@@ -402,7 +433,7 @@ def _redistribute_output(mod: nn.Module, args: Any, output: Any, *, tp: TensorPa
         src, dst = (target[0].src, target[0].dst) if isinstance(target[0], Conversion) else (computed_on, target[0])
         return redistribute(tensor, src, dst, tp.group)
 
-    targets = tp.resolved.outputs[path]
+    targets = layout.outputs
     if isinstance(output, torch.Tensor):
         return move(output, targets[0])
     if isinstance(output, tuple):
