@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+import shardwise as sw
 from shardwise.models import GPT, GPTConfig
 
 
@@ -78,3 +79,14 @@ def print_times(times: dict[str, list[float]], samples: int) -> dict[str, float]
         rate[name] = samples / median
         print(f"{name:<22} {median * 1e3:>9.1f} ms {rate[name]:>10.1f}   " + " ".join(f"{t * 1e3:.1f}" for t in values))
     return rate
+
+
+def pairs_plan() -> sw.Plan:
+    """Megatron's layout of the benchmarks' GPT, as torch's native ColwiseParallel/RowwiseParallel pairs
+    write it: q, k, v and fc1 column-parallel, o_proj and fc2 row-parallel, the rest replicated."""
+    col, row = "Shard(0)", "Shard(1)"
+    return sw.Plan(params={
+        "layers.*.attn.q_proj.weight": col, "layers.*.attn.q_proj.bias": col, "layers.*.attn.k_proj.weight": col,
+        "layers.*.attn.v_proj.weight": col, "layers.*.attn.v_proj.bias": col, "layers.*.attn.o_proj.weight": row,
+        "layers.*.mlp.fc1.weight": col, "layers.*.mlp.fc1.bias": col, "layers.*.mlp.fc2.weight": row,
+    }, name="column/row pairs")

@@ -5,7 +5,7 @@ composition compiled the same way, same run, same ranks.
 
 Every implementation compiles each transformer block in place (`block.compile()`, torchtitan's
 granularity). Native compositions: `parallelize_module` with the same column/row pairs for tp
-(shardwise runs its zoo "gpt" plan), `fully_shard` per block and on the root for ZeRO-3, DDP
+(shardwise runs the same pairs at tp2, its zoo "gpt" plan at tp2-sp), `fully_shard` per block and on the root for ZeRO-3, DDP
 for dp; tp2-sp has no native line (its native plan needs the embeddings' output
 sequence-sharded, not written here). Printed per
 layout: Dynamo's graphs and graph breaks while the compiled model warms up (its first two
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, bench_parser, print_times, timed_rounds, training_step
+from common import bench_batches, bench_gpt, bench_parser, pairs_plan, print_times, timed_rounds, training_step
 
 
 def _native_tp(args) -> torch.nn.Module:
@@ -58,7 +58,8 @@ def _native(args, layout: str) -> tuple[torch.nn.Module, object] | None:
 
 def _shardwise(args, layout: str):
     config = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True), "zero3": dict(zero=3), "dp": {}}[layout]
-    pm = sw.parallelize(bench_gpt(args), sw.ParallelConfig(**config), plan="gpt" if "tp" in layout else None)
+    plan = pairs_plan() if layout == "tp2" else "gpt" if layout == "tp2-sp" else None  # tp2: native's very plan
+    pm = sw.parallelize(bench_gpt(args), sw.ParallelConfig(**config), plan=plan)
     return pm, pm.train_step
 
 
@@ -71,6 +72,7 @@ def _warm(step, batches, model, backend: str) -> dict[str, int]:
     """Compile the blocks, run two steps, return the graphs and breaks Dynamo counted meanwhile."""
     for block in _blocks(model):
         block.compile(backend=backend)
+    torch._dynamo.reset()  # count this model's graphs, not reuse of another's (same block code, guards passing)
     graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     for batch in batches[:2]:
         step(batch)

@@ -19,18 +19,9 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_parser, bench_gpt, print_times, timed_rounds, training_step
+from common import bench_batches, bench_gpt, bench_parser, pairs_plan, print_times, timed_rounds, training_step
 from shardwise.comm import CollectiveCounter
 
-
-
-def _pairs_plan() -> sw.Plan:
-    col, row = "Shard(0)", "Shard(1)"
-    return sw.Plan(params={
-        "layers.*.attn.q_proj.weight": col, "layers.*.attn.q_proj.bias": col, "layers.*.attn.k_proj.weight": col,
-        "layers.*.attn.v_proj.weight": col, "layers.*.attn.v_proj.bias": col, "layers.*.attn.o_proj.weight": row,
-        "layers.*.mlp.fc1.weight": col, "layers.*.mlp.fc1.bias": col, "layers.*.mlp.fc2.weight": row,
-    }, name="column/row pairs")
 
 
 def _native(args) -> torch.nn.Module:
@@ -49,7 +40,7 @@ def _native(args) -> torch.nn.Module:
 def _bench(args):
     batches = bench_batches(args, seed=100)
     tp = dist.get_world_size()
-    ours = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan=_pairs_plan())
+    ours = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan=pairs_plan())
     zoo = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan="gpt")
     native = _native(args)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ours, zoo, native)}
