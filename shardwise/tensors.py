@@ -24,6 +24,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def shard_for_compute(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local shard to compute with; gradients flow back to the DTensor parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def storage_id(storage: torch.UntypedStorage) -> int:
     """An identity for a storage, equal for every tensor viewing it (torch has no public one:
     `data_ptr()` repeats for empty and fake storages)."""

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-summed", "zero-off-by-one",
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
-          "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole")
+          "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
+          "float8-amax-per-shard")
 
 
 def from_environment() -> str | None:
@@ -32,7 +33,12 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor.sharding as tensor
 
-    if name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
+    if name == "float8-amax-per-shard":  # each tp rank scales its float8 casts by its own shard's amax
+        import shardwise.parallel.tensor.float8 as float8
+
+        original_cast = float8._cast
+        float8._cast = lambda t, module, operand, group: original_cast(t, module, operand, None)
+    elif name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
         import shardwise.step as step
 
         step.MicrobatchLosses.tp_loss_share = lambda self, loss: 1.0

@@ -28,21 +28,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ...errors import PlanError
 from ...plan.plan import placement_str, shard_dim
 from ...plan.resolve import ResolvedPlan
+from ...tensors import shard_for_compute
 from ..collectives import redistribute
+from .float8 import check_float8_config, float8_column, float8_row, is_float8_linear
 
 if TYPE_CHECKING:
     from .sharding import ModuleLayout, TensorParallel
-
-
-def _shard(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A parameter's local shard for compute; gradients flow back to the DTensor parameter."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W (in, out)
@@ -52,7 +49,7 @@ def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D:
 
 def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
     x = tp.parallel_input(x, tp.input_placement(layout, Replicate()))
-    weight, bias = _shard(module.weight), _shard(module.bias)
+    weight, bias = shard_for_compute(module.weight), shard_for_compute(module.bias)
     with tp.keeping_shards():
         if _is_conv1d(module):
             flat = x.reshape(-1, x.shape[-1])
@@ -65,19 +62,19 @@ def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: Mo
 
 def row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
     x = redistribute(x, tp.input_placement(layout, Shard(-1)), Shard(-1), tp.group)
-    weight = _shard(module.weight)
+    weight = shard_for_compute(module.weight)
     tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
     try:
         y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
     finally:
         tp.computing_partial = False
     y = tp.module_output(y, layout, Partial())
-    return y if module.bias is None else y + _shard(module.bias)
+    return y if module.bias is None else y + shard_for_compute(module.bias)
 
 
 def vocab_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
     ids = redistribute(ids, tp.input_placement(layout, Replicate()), Replicate(), tp.group)
-    weight = _shard(module.weight)
+    weight = shard_for_compute(module.weight)
     start = tp.rank * weight.shape[0]
     outside = (ids < start) | (ids >= start + weight.shape[0])
     pad = module.padding_idx
@@ -88,7 +85,7 @@ def vocab_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel,
 
 def feature_embedding(module: nn.Module, ids: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
     ids = redistribute(ids, tp.input_placement(layout, Replicate()), Replicate(), tp.group)
-    out = F.embedding(ids, _shard(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
+    out = F.embedding(ids, shard_for_compute(module.weight), module.padding_idx, None, 2.0, module.scale_grad_by_freq, module.sparse)
     return tp.module_output(out, layout, Shard(-1))
 
 
@@ -107,7 +104,7 @@ class RuleContext:
         self.rank, self.size, self.group = tp.rank, tp.size, tp.group
 
     def local(self, param: torch.Tensor | None) -> torch.Tensor | None:
-        return _shard(param)
+        return shard_for_compute(param)
 
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         return self._tp.parallel_input(x, self._tp.input_placement(self._layout, Replicate()))
@@ -205,12 +202,14 @@ def rule_for(module: nn.Module) -> Any:
     own = type(module).__dict__.get(_RULE)
     if own is not None:
         return own
-    if _builtin_linear(module):
+    if _builtin_linear(module) or is_float8_linear(module):
         return linear_rule
     return embedding_rule if _builtin_embedding(module) else None
 
 
-BUILTIN_FORWARDS = (column, row, vocab_embedding, feature_embedding)
+RULE_KIND = {column: "column", row: "row", vocab_embedding: "vocab_embedding", feature_embedding: "feature_embedding",
+             float8_column: "column", float8_row: "row"}  # the built-in forwards, by how their outputs are placed
+BUILTIN_FORWARDS = tuple(RULE_KIND)
 
 
 def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
@@ -229,8 +228,8 @@ def _rule(path: str, module: nn.Module, placements: dict[str, Placement]):
 
 
 def linear_rule(path: str, module: nn.Module, placements: dict[str, Placement]):
-    """nn.Linear / Conv1D: column-parallel (weight sharded on the output features, also as
-    StridedShard for fused weights) or row-parallel (on the input features)."""
+    """nn.Linear / Conv1D / torchao's Float8Linear: column-parallel (weight sharded on the
+    output features, also as StridedShard for fused weights) or row-parallel (on the input features)."""
     kind = type(module).__name__
     weight = placements.get("weight", Replicate())
     bias = placements.get("bias")
@@ -252,6 +251,9 @@ def linear_rule(path: str, module: nn.Module, placements: dict[str, Placement]):
                 f"{placement_str(weight)} ({rule.__name__}-parallel), got {placement_str(bias)}"
             )
         placements["bias"] = expected
+    if is_float8_linear(module):
+        check_float8_config(path, module)
+        return float8_column if rule is column else float8_row
     return rule
 
 

@@ -44,8 +44,8 @@ from ...topology import Topology
 from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single, compiled_submodules
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
-from .rules import (BUILTIN_FORWARDS, RuleContext, ShardedDropout, column, feature_embedding, install_rule,
-                    replace_module, row, tensor_parallel_rules)
+from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, install_rule, replace_module,
+                    tensor_parallel_rules)
 
 
 class TensorParallel:
@@ -327,8 +327,8 @@ def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> N
         mod = module.get_submodule(path)
         if not any(True for _ in mod.parameters(recurse=False)):
             continue  # pruned: this pipeline rank never runs it
-        tp.sharded_modules[path] = rule.__name__
-        if rule in (column, feature_embedding):
+        tp.sharded_modules[path] = kind = RULE_KIND.get(rule, rule.__name__)
+        if kind in ("column", "feature_embedding"):
             weight = placements.get("weight")
             tp.column_blocks[path] = weight.split_factor if isinstance(weight, _StridedShard) else 1
         for leaf, param in list(mod.named_parameters(recurse=False)):
@@ -344,7 +344,7 @@ def _install_rules(module: nn.Module, tp: TensorParallel, materialize: Any) -> N
             setattr(mod, leaf, converted[id(param)])
         install_rule(mod, functools.partial(rule, tp=tp, layout=tp.layout(path)) if rule in BUILTIN_FORWARDS
                      else functools.partial(rule, tp=tp.rule_context(path)), tp.rule_classes)
-        if rule is row and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
+        if kind == "row" and isinstance(tp.output_placement(path, Replicate()), Shard) and mod.bias is not None:
             tp.partial_grad_params.add(id(mod.bias))
     for _, mod in module.named_modules():  # tied copies held by modules without a rule
         for leaf, param in list(mod.named_parameters(recurse=False)):

@@ -1,0 +1,163 @@
+"""Float8 training through torchao (`convert_to_float8_training`, emulated on CPU): every
+layout trains as one process running the same float8 conversion.
+
+Under tensor parallelism shardwise's float8 rules reduce a sharded operand's amax over tp
+before the cast (shardwise/parallel/tensor/float8.py); ZeRO-3, pipeline stages and data
+parallelism run torchao's own Float8Linear on whole weights. Activations and their gradients
+are scaled per data-parallel replica's batch (as in every float8 recipe), so the one-process
+reference runs each replica's batch (and each pipeline microbatch) as its own forward,
+accumulating gradients.
+
+Tolerance, from float8's rounding. One process's float8 run differs from its float32 run by
+float8's rounding: e4m3 keeps 3 mantissa bits (spacing 2^-3 relative), e5m2 2 (2^-2), each
+cast element rounded to the nearest. A correct layout changes only the order of float32 sums,
+by at most 1.2e-4 relative (tests/parity.py); an element then casts differently only if it
+lies that close to a rounding midpoint, with probability p <= 2 x 1.2e-4 / 2^-3 = 2e-3, and
+moves by one spacing, sqrt(12) times the RMS of a rounding error. Propagated through the same
+linear backward as float8's own errors, the difference has sqrt(12 p) = 0.15 of their norm:
+    ||g_layout - g_float8|| <= FLOAT8_GRAD x ||g_float8 - g_float32||, FLOAT8_GRAD = 0.25,
+over all first-step gradients together. A cast scaled by a shard's own amax instead rounds
+every element of that shard on another grid, an error as large as float8's own: the fault
+test (scales per shard) sits at 0.5-1.1. Later steps compound flips through updated weights
+(a weight element that flips moves every token's product), so the losses and the parameters
+after the steps are held to FLOAT8_TRAJECTORY = 0.5 of float8's own deviation: the layout
+must stay well inside the error float8 itself makes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType, convert_to_float8_training
+
+import shardwise as sw
+from parity import Run, assert_meaningful, gpt_batches, make_gpt, reference_run, train_parallel
+from shardwise.parallel.tensor.rules import tensor_parallel_rules
+from shardwise.plan import resolve_plan
+
+FLOAT8_GRAD = 0.25
+FLOAT8_TRAJECTORY = 0.5
+STEPS = 3
+
+
+def to_float8(model: nn.Module, config: Float8LinearConfig | None = None) -> nn.Module:
+    """torchao's conversion as torchtitan applies it: every Linear but the output head."""
+    convert_to_float8_training(model, config=config or Float8LinearConfig(emulate=True),
+                               module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    return model
+
+
+class EndToEnd(nn.Module):
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def gpt(float8: bool = True) -> nn.Module:
+    model = make_gpt(0)
+    return to_float8(model) if float8 else model
+
+
+def llama(float8: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = EndToEnd(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=128, max_position_embeddings=64)))
+    return to_float8(model) if float8 else model
+
+
+def llama_batches(steps: int) -> list[dict]:
+    return [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in gpt_batches(steps, 8, seq=16)]
+
+
+# name: (config, model, plan, how many forwards one process runs per batch: replicas x microbatches)
+LAYOUTS = {
+    "gpt tp2 x dp2": ({"tp": 2}, gpt, "gpt", 2),
+    "gpt tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, gpt, "gpt", 2),
+    "llama tp2 x dp2": ({"tp": 2}, llama, "llama", 2),
+    "gpt zero3 dp4": ({"zero": 3}, gpt, None, 4),
+    "gpt pp2 x dp2": ({"pp": 2, "microbatches": 2}, gpt, None, 4),
+}
+
+
+def _batches(factory) -> list:
+    return llama_batches(STEPS) if factory is llama else gpt_batches(STEPS, 8)
+
+
+def _train_layouts(names: list[str], fault: str | None) -> list[Run]:
+    return [train_parallel(LAYOUTS[n][0], LAYOUTS[n][1], _batches(LAYOUTS[n][1]), LAYOUTS[n][2], fault=fault)
+            for n in names]
+
+
+def _distance(a: dict, b: dict) -> float:
+    return math.sqrt(sum(float((a[k].double() - b[k].double()).square().sum()) for k in b))
+
+
+def float8_deviations(got: Run, float8: Run, float32: Run) -> dict[str, float]:
+    """How far the layout is from one float8 process, as a fraction of how far float8 is from float32."""
+    lost = [abs(a - b) for a, b in zip(got.losses, float8.losses)]
+    yard = [abs(a - b) for a, b in zip(float32.losses, float8.losses)]
+    return {"grad": _distance(got.grads[0], float8.grads[0]) / _distance(float32.grads[0], float8.grads[0]),
+            "param": _distance(got.final, float8.final) / _distance(float32.final, float8.final),
+            "loss": max(lost) / max(yard)}
+
+
+def compare(world: int, names: list[str], fault: str | None = None) -> dict[str, dict[str, float]]:
+    references = {}
+    for name in names:
+        _, factory, _, forwards = LAYOUTS[name]
+        batches = _batches(factory)
+        float8 = reference_run(factory, batches, microbatches=forwards)
+        float32 = reference_run(functools.partial(factory, float8=False), batches, microbatches=forwards)
+        assert_meaningful(float8)
+        # float8 is really on: its gradients are far from float32's (rounding at 2^-4, not 2^-24)
+        assert _distance(float32.grads[0], float8.grads[0]) > 1e-3 * math.sqrt(
+            sum(float(g.double().square().sum()) for g in float8.grads[0].values()))
+        references[name] = float8, float32
+    results = sw.testing.run_on_ranks(_train_layouts, world, names, fault)
+    worst: dict[str, dict[str, float]] = {}
+    for rank, runs in enumerate(results):
+        for name, got in zip(names, runs):
+            found = float8_deviations(got, *references[name])
+            for key, value in found.items():
+                worst.setdefault(name, {})[key] = max(worst.get(name, {}).get(key, 0.0), value)
+            assert found["grad"] <= FLOAT8_GRAD, (
+                f"{name} on rank {rank}: first-step gradients differ from one float8 process by {found['grad']:.3g} x "
+                f"float8's own error (bound {FLOAT8_GRAD})")
+            for key in ("param", "loss"):
+                assert found[key] <= FLOAT8_TRAJECTORY, (
+                    f"{name} on rank {rank}: {key}s differ from one float8 process by {found[key]:.3g} x float8's own "
+                    f"deviation from float32 (bound {FLOAT8_TRAJECTORY})")
+    return worst
+
+
+def test_float8_layouts_train_as_one_float8_process():
+    compare(4, list(LAYOUTS))
+
+
+def test_float8_check_fails_when_casts_are_scaled_per_shard():
+    """The fault the rules guard against: each tp rank scales its shard by the shard's own amax."""
+    with pytest.raises(AssertionError, match="first-step gradients differ"):
+        compare(4, ["gpt tp2 x dp2"], fault="float8-amax-per-shard")
+
+
+@pytest.mark.parametrize("config, pattern", [
+    (Float8LinearConfig.from_recipe_name("rowwise"), "tensorwise"),
+    (Float8LinearConfig(emulate=True, cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+                        cast_config_grad_output_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED)),
+     "cast differently for its two matmuls"),  # weight gradients in high precision
+])
+def test_float8_configurations_the_rules_cannot_scale_are_refused(config, pattern):
+    model = to_float8(make_gpt(0), config)
+    resolved = resolve_plan(sw.plan.zoo["gpt"](sw.ParallelConfig(tp=2)), model, 2)
+    with pytest.raises(sw.PlanError, match=pattern):
+        tensor_parallel_rules(model, resolved)
+
