@@ -17,6 +17,11 @@ object per distinct layout, never as a module path Dynamo would specialize each 
 (ten blocks, past Dynamo's recompile limit of 8, which the test makes an error instead of a
 quiet fall back to eager).
 
+Under context parallelism the blocks' attention is routed (a torch function mode) to the
+whole-sequence attention, whose backward Dynamo traces too (no `autograd.grad` inside it), and
+its traffic counter is a tensor (a Python counter would be guarded on and compile every block
+anew).
+
 torchao's Float8Linear under tp + sequence parallelism (the float8 rules) compiles the same way;
 its losses are held to tests/test_float8.py's bound against one float8 process.
 
@@ -35,6 +40,7 @@ import torch
 import shardwise as sw
 from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
 from parity import EPS_LOSS, SGD, gpt_batches, make_gpt, reference_run
+from test_context_parallel import cp_batches
 from test_float8 import FLOAT8_TRAJECTORY, to_float8
 
 BLOCKS = 10  # more than Dynamo's recompile limit (8): blocks specialized by their path would fall back to eager
@@ -44,7 +50,12 @@ LAYOUTS = {
     "zero3 dp2": ({"zero": 3}, None),
     "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules
+    "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
 }
+
+
+def batches(name: str) -> list:
+    return cp_batches(3) if "cp" in name else gpt_batches(3, 8)
 
 
 def model(name: str, float8: bool | None = None) -> torch.nn.Module:
@@ -68,7 +79,7 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
         losses = []
         try:
-            for batch in gpt_batches(3, 8):  # the whole batch on both replicas at dp2: their mean is one process's
+            for batch in batches(name):  # the whole batch on both replicas at dp2: their mean is one process's
                 losses.append(float(pm.train_step(batch)))
                 opt.step()
                 opt.zero_grad()
@@ -90,12 +101,12 @@ def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, n
     if not COMPILES_DTENSOR_PARAMETERS and "tp" in LAYOUTS[name][0]:
         assert "loses the gradients of tensor-parallel parameters" in compiled[name], compiled[name]
         return
-    eager = reference_run(functools.partial(model, name), gpt_batches(3, 8)).losses
+    eager = reference_run(functools.partial(model, name), batches(name)).losses
     losses, graphs, breaks = compiled[name]
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"
     assert not breaks, f"{name}: graph breaks inside compiled blocks: {breaks}"
     if "float8" in name:  # tests/test_float8.py's bound: well inside float8's own deviation from float32
-        float32 = reference_run(functools.partial(model, name, False), gpt_batches(3, 8)).losses
+        float32 = reference_run(functools.partial(model, name, False), batches(name)).losses
         yard = max(abs(a - b) for a, b in zip(float32, eager))
         assert max(abs(a - b) for a, b in zip(losses, eager)) <= FLOAT8_TRAJECTORY * yard, (losses, eager, float32)
     else:

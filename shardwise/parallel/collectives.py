@@ -39,7 +39,12 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(functional_all_gather(x.contiguous(), dim, group))
+    gathered = funcol.wait_tensor(functional_all_gather(x.contiguous(), 0, group))
+    if dim == 0:
+        return gathered
+    # the ranks' parts come stacked on dim 0; funcol's own re-concatenation along `dim` is a
+    # function torch 2.11's Dynamo refuses to trace inside an autograd.Function (cp attention)
+    return torch.cat(gathered.chunk(dist.get_world_size(group), 0), dim)
 
 
 def all_gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -144,8 +144,8 @@ class _AttentionOptions:
                 mask = mask & causal
             else:
                 mask = mask.masked_fill(~causal, float("-inf"))
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=self.enable_gqa)
+        return torch.ops.aten.scaled_dot_product_attention.default(  # the op, which _ShardedAttention passes on
+            query, keys, values, mask, 0.0, False, scale=self.scale, enable_gqa=self.enable_gqa)
 
 
 class _WholeSequenceAttention(torch.autograd.Function):
@@ -171,11 +171,9 @@ class _WholeSequenceAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, attn_mask = ctx.saved_tensors
         options, dim = ctx.options, key.dim() - 2
-        keys, values = (all_gather_along(t.detach(), options.group, dim).requires_grad_() for t in (key, value))
-        query = query.detach().requires_grad_()
-        with torch.enable_grad():
-            out = options.attend(query, keys, values, attn_mask)
-        dq, dk, dv = torch.autograd.grad(out, (query, keys, values), grad)
+        keys, values = (all_gather_along(t.detach(), options.group, dim) for t in (key, value))
+        _, attention_backward = torch.func.vjp(lambda q, k, v: options.attend(q, k, v, attn_mask), query.detach(), keys, values)
+        dq, dk, dv = attention_backward(grad)
         # each key's gradient sums every rank's queries: reduce-scatter back to the keys' owners
         return dq, reduce_scatter_along(dk, options.group, dim), reduce_scatter_along(dv, options.group, dim), None, None
 
@@ -258,8 +256,7 @@ class ContextParallel:
         self.shards = sequence_shards(group)
         self.sequence_dim = sequence_dim
         self.local_len = 0  # tokens per rank in the batch being run
-        self.gathers = 0
-        self.gathered_bytes = 0
+        self._traffic = torch.zeros(2, dtype=torch.int64)  # this step's K/V all-gathers and bytes received
         self._routing = False  # one routing mode at a time: a second would gather K/V twice
 
     def shard(self, batch: Any) -> dict:
@@ -325,14 +322,22 @@ class ContextParallel:
         return map_tensors(output, whole)
 
     def reset_traffic(self) -> None:
-        self.gathers = self.gathered_bytes = 0
+        self._traffic.zero_()
+
+    @property
+    def gathers(self) -> int:
+        return int(self._traffic[0])
+
+    @property
+    def gathered_bytes(self) -> int:
+        return int(self._traffic[1])
 
     def gathered(self, *tensors: torch.Tensor) -> None:
-        """Record the all-gather of `tensors` (K and V of one attention call)."""
+        """Record the all-gather of `tensors` (K and V of one attention call), in a host tensor:
+        compiled code would guard on a Python counter's value and compile every block anew."""
         share = (self.shards.size - 1) / self.shards.size
-        for t in tensors:
-            self.gathers += 1
-            self.gathered_bytes += int(t.numel() * t.element_size() * self.shards.size * share)
+        received = sum(int(t.numel() * t.element_size() * self.shards.size * share) for t in tensors)
+        self._traffic.add_(torch.tensor([len(tensors), received]))
 
 
 class _ShardedAttention(TorchFunctionMode):
