@@ -1,11 +1,16 @@
 """Hugging Face Llama: shardwise vs the same model composed from PyTorch's own pieces, same run.
 
     python bench/llama.py [--layers 8] [--hidden 512] [--seq 512] [--batch 2] [--rounds 3]
+                          [--layout tp,pp,dp,zero3] [--compile [--backend inductor]]
 
-Two layouts on 4 ranks, each timed against its native composition in alternating rounds
+Layouts on 4 ranks, each timed against its native composition in alternating rounds
 (forward, backward and an AdamW step; the same global batch, each replica its own slice):
 
-  tp=2 x dp=2 + sp   shardwise: zoo plan "llama" with sequence_parallel=True, zero=3.
+  dp=4               shardwise: plain data parallelism. native: DistributedDataParallel.
+  zero3 x dp=4       shardwise: zero=3. native: `fully_shard` per layer and on the root (FSDP2).
+
+  tp=2 x dp=2 + sp   shardwise: zoo plan "llama" with sequence_parallel=True, zero=3 (zero=0 with
+                     --compile: torch cannot compile tp shards inside ZeRO's flat buffers).
                      native: `parallelize_module` (Colwise/Rowwise projections, vocab-parallel
                      embedding, SequenceParallel norms, PrepareModuleInput gathering the
                      attention and MLP inputs, a sequence-sharded column-parallel head under
@@ -14,9 +19,15 @@ Two layouts on 4 ranks, each timed against its native composition in alternating
   pp=2 x dp=2        shardwise: pp=2, dp=2, 1F1B, 4 microbatches, stage 1 from layers[n/2].
                      native: the stage modules a user writes for torch's pipelining (stage 0
                      embeds and runs the first half, stage 1 the rest, norm and head, and the
-                     loss), each in DistributedDataParallel, `PipelineStage` + `Schedule1F1B`.
+                     loss), each under `fully_shard` over dp (FSDP2, torchtitan's pp x dp),
+                     `PipelineStage` + `Schedule1F1B`.
 
-For each it prints the step time and the ratio, the bytes one microbatch saves for backward on
+With `--compile` every decoder layer of every model is compiled in place (`layer.compile()`,
+torchtitan's granularity), a third line times shardwise eager, and Dynamo's graphs and graph
+breaks during the compiled models' first two steps are printed; the ratios are then compiled
+shardwise / compiled native and compiled / eager.
+
+For tp and pp it also prints the bytes one microbatch saves for backward on
 a rank (shardwise's `sw.activation_memory`, and a saved-tensor hook count for native) against
 the per-layer formula (Korthikanti et al. adapted to fp32, RMSNorm and SwiGLU with f = 2h; see
 tests/test_activations.py), and the bytes every collective and send took in during one step
@@ -67,7 +78,7 @@ def make_llama(args) -> EndToEnd:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq,
-        tie_word_embeddings=False, attn_implementation="sdpa")
+        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)  # training: no KV cache
     return EndToEnd(transformers.LlamaForCausalLM(config))
 
 
@@ -134,7 +145,9 @@ def native_pp(args, mesh, microbatches: int):
     stage = mesh["pp"].get_local_rank()
     half = args.layers // 2
     module = NativeStage(lm, range(half) if stage == 0 else range(half, args.layers), stage == 0, stage == 1)
-    module = DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+    # FSDP2 over dp, as torchtitan composes pp with dp: DistributedDataParallel under torch's schedules
+    # fails on torch 2.13 (its reducer sees each parameter once per microbatch: INTERNAL ASSERT)
+    fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     return Schedule1F1B(pipe, microbatches, loss_fn=causal_lm_loss), module, stage
 
@@ -176,15 +189,57 @@ def counted(step, batch) -> dict[str, int]:
     return dict(counter.bytes)
 
 
+def _native_data(args, layout: str):
+    """DDP (dp=4) or FSDP2 per layer and root (zero3) around the whole model."""
+    model = make_llama(args)
+    if layout.startswith("zero3"):
+        for layer in model.lm.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    return DistributedDataParallel(model)
+
+
+def _layers(model: nn.Module):
+    """The decoder layers a model computes with, wherever its wrapper keeps them."""
+    inner = model.module if isinstance(model, (sw.ParallelModule, DistributedDataParallel)) else model
+    return inner.layers if hasattr(inner, "rotary") else inner.lm.model.layers  # a NativeStage (FSDP2's subclass)
+
+
+def _compile(model: nn.Module, step, batch, backend: str) -> dict:
+    """Compile each layer, run two steps; the graphs and breaks Dynamo counted meanwhile."""
+    from torch._dynamo.utils import counters
+
+    for layer in _layers(model):
+        layer.compile(backend=backend)
+    torch._dynamo.reset()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    for _ in range(2):
+        step(batch)
+    reasons = sorted({k.splitlines()[0][:120] for k in counters["graph_break"]})
+    return {"graphs": counters["stats"]["unique_graphs"] - graphs,
+            "breaks": sum(counters["graph_break"].values()) - breaks, "reasons": reasons}
+
+
+def _shardwise(args, layout: str, batches):
+    if layout.startswith("pp"):
+        plan = sw.Plan(stages=[f"lm.model.layers.{args.layers // 2}"])
+        return sw.parallelize(make_llama(args), sw.ParallelConfig(pp=2, dp=2, microbatches=args.microbatches),
+                              plan=plan, sample={"input_ids": batches[0][: args.batch]})
+    if layout.startswith("tp"):  # compiled: zero=0 (compiled tp blocks with ZeRO's flat buffers are refused)
+        return sw.parallelize(make_llama(args), sw.ParallelConfig(tp=2, dp=2, sequence_parallel=True,
+                                                                  zero=0 if args.compile else 3), plan="llama")
+    return sw.parallelize(make_llama(args), sw.ParallelConfig(zero=3 if layout.startswith("zero3") else 0))
+
+
 def _bench(args, layout: str):
     rank = dist.get_rank()
+    replicas = 2 if layout.startswith(("tp", "pp")) else 4
     gen = torch.Generator().manual_seed(100)
-    batches = [torch.randint(0, VOCAB, (2 * args.batch, args.seq), generator=gen) for _ in range(args.steps)]
+    batches = [torch.randint(0, VOCAB, (replicas * args.batch, args.seq), generator=gen) for _ in range(args.steps)]
     result = {}
-    if layout == "tp2 x dp2 + sp":
+    if layout.startswith("tp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        ours = sw.parallelize(make_llama(args), sw.ParallelConfig(tp=2, dp=2, sequence_parallel=True, zero=3),
-                              plan="llama")
         native = native_tp_sp(args, mesh)
         replica = mesh["dp"].get_local_rank()
 
@@ -195,36 +250,44 @@ def _bench(args, layout: str):
         def native_step(batch):
             with loss_parallel():
                 native({"input_ids": batch}).backward()
-    else:
+    elif layout.startswith("pp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        plan = sw.Plan(stages=[f"lm.model.layers.{args.layers // 2}"])
-        ours = sw.parallelize(make_llama(args), sw.ParallelConfig(pp=2, dp=2, microbatches=args.microbatches),
-                              plan=plan, sample={"input_ids": batches[0][: args.batch]})
         schedule, native, stage = native_pp(args, mesh, args.microbatches)
-        replica = mesh["dp"].get_local_rank()
+        replica, native_loss = mesh["dp"].get_local_rank(), None
 
         def native_step(batch):
             if stage == 0:
                 schedule.step(batch)
             else:
                 schedule.step(target=batch)
+    else:
+        native, replica, native_loss = _native_data(args, layout), rank, None
+
+        def native_step(batch):
+            native({"input_ids": batch}).backward()
 
     mine = [b[replica * args.batch: (replica + 1) * args.batch] for b in batches]
-    ours_opt = sw.build_optimizer(ours, torch.optim.AdamW, lr=1e-4)
-    native_opt = torch.optim.AdamW(native.parameters(), lr=1e-4)
-
-    steps = {"shardwise": training_step(lambda b: ours.train_step({"input_ids": b}), ours_opt),
-             "torch native": training_step(native_step, native_opt)}
+    ours = _shardwise(args, layout, batches)
+    steps = {"shardwise": training_step(lambda b: ours.train_step({"input_ids": b}),
+                                        sw.build_optimizer(ours, torch.optim.AdamW, lr=1e-4)),
+             "torch native": training_step(native_step, torch.optim.AdamW(native.parameters(), lr=1e-4))}
+    if args.compile:
+        result["dynamo"] = {"shardwise": _compile(ours, steps["shardwise"], mine[0], args.backend),
+                            "torch native": _compile(native, steps["torch native"], mine[0], args.backend)}
+        eager = _shardwise(args, layout, batches)
+        steps["shardwise eager"] = training_step(lambda b: eager.train_step({"input_ids": b}),
+                                                 sw.build_optimizer(eager, torch.optim.AdamW, lr=1e-4))
     result["times"] = timed_rounds(steps, mine, args.rounds)
+    result["rank"] = rank
+    result["params"] = sum(p.numel() for p in make_llama(args).parameters())
+    if args.compile or not layout.startswith(("tp", "pp")):
+        return result
     result["bytes"] = {name: counted(go, mine[0]) for name, go in steps.items()}
-    microbatch = args.batch // (args.microbatches if layout.startswith("pp") else 1)
+    result["microbatch"] = args.batch // (args.microbatches if layout.startswith("pp") else 1)
     memory = sw.activation_memory(ours, {"input_ids": mine[0]})
     result["ours_memory"] = (memory.total, memory.per_layer, len(memory.layers))
-    if layout.startswith("tp"):
+    if native_loss is not None:
         result["native_memory"] = saved_bytes(lambda: native_loss(mine[0]))
-    result["microbatch"] = microbatch
-    result["params"] = sum(p.numel() for p in make_llama(args).parameters())
-    result["rank"] = rank
     return result
 
 
@@ -232,11 +295,19 @@ def _report(args, layout: str, results: list[dict]) -> None:
     res = results[0]
     times = res["times"]
     median = {name: statistics.median(v) for name, v in times.items()}
+    compiled = f", layers compiled ({args.backend})" if args.compile else ""
     print(f"\n{layout}: HF Llama {res['params'] / 1e6:.1f} M params ({args.layers} layers, hidden {args.hidden}, "
-          f"seq {args.seq}), {args.batch} samples per replica per step, AdamW, 4 gloo ranks")
+          f"seq {args.seq}), {args.batch} samples per replica per step, AdamW, 4 gloo ranks{compiled}")
+    for name, found in res.get("dynamo", {}).items():
+        print(f"  {name:<16} {found['graphs']} graphs, {found['breaks']} graph breaks in the first two steps"
+              + (f" ({'; '.join(found['reasons'])[:200]})" if found["breaks"] else ""))
     for name, values in times.items():
-        print(f"  {name:<14} {median[name] * 1e3:9.1f} ms/step   rounds: " + " ".join(f"{t * 1e3:.0f}" for t in values))
+        print(f"  {name:<16} {median[name] * 1e3:9.1f} ms/step   rounds: " + " ".join(f"{t * 1e3:.0f}" for t in values))
     print(f"  ratio shardwise / native step rate: {median['torch native'] / median['shardwise']:.3f}  (aim >= 1.0)")
+    if "shardwise eager" in median:
+        print(f"  compiled / eager (shardwise) step rate: {median['shardwise eager'] / median['shardwise']:.3f}")
+    if "bytes" not in res:
+        return
 
     b, s, h, mb = args.batch, args.seq, args.hidden, res["microbatch"]
     t = 2 if layout.startswith("tp") else 1
@@ -282,10 +353,12 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed round")
-    parser.add_argument("--layout", choices=["tp", "pp", "both"], default="both")
+    parser.add_argument("--layout", default="tp,pp", help="comma-separated: tp, pp, dp, zero3")
+    parser.add_argument("--compile", action="store_true", help="compile every decoder layer of every model")
+    parser.add_argument("--backend", default="inductor")
     args = parser.parse_args()
-    layouts = {"tp": ["tp2 x dp2 + sp"], "pp": ["pp2 x dp2"], "both": ["tp2 x dp2 + sp", "pp2 x dp2"]}[args.layout]
-    for layout in layouts:
+    names = {"tp": "tp2 x dp2 + sp", "pp": "pp2 x dp2", "dp": "dp4", "zero3": "zero3 x dp4"}
+    for layout in (names[key] for key in args.layout.split(",")):
         _report(args, layout, sw.testing.run_on_ranks(_bench, 4, args, layout, timeout=3600))
 
 

@@ -1,6 +1,6 @@
 """The wrapper's own cost: shardwise at world size 1 against the plain module, same device.
 
-    python bench/overhead.py [--layers 4] [--d-model 256] [--seq 128] [--batch 8]
+    python bench/overhead.py [--layers 4] [--d-model 256] [--seq 128] [--batch 8] [--compile]
     torchrun --nproc-per-node 1 bench/overhead.py
 
 Without torchrun's environment `sw.init_distributed()` starts a world of one process (the
@@ -9,6 +9,8 @@ backward, AdamW and zero_grad on the same GPT and the same batches, already on t
 rounds alternate between them and the device is synchronized around each round. At world
 size 1 shardwise has nothing to communicate, so the difference is what the wrapper itself
 costs per step: batch checks, the step's bookkeeping and its collectives of one rank.
+`--compile` compiles every block of both models in place (inductor), after which the
+wrapper's Python is a larger share of a shorter step. The order of the two alternates each round.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def _timed(step, batches, device) -> float:
 def main() -> None:
     parser = bench_parser(__doc__, ranks=1, rounds=7, steps=20)
     parser.set_defaults(seq=128)
+    parser.add_argument("--compile", action="store_true", help="compile each block of both models (inductor)")
     args = parser.parse_args()
 
     sw.init_distributed()
@@ -60,17 +63,21 @@ def main() -> None:
         sw_opt.step()
         sw_opt.zero_grad()
 
+    if args.compile:
+        for block in list(plain.layers) + list(pm.module.layers):
+            block.compile()
     steps = {"plain module": plain_step, "shardwise": sw_step}
     for step in steps.values():
         _timed(step, batches[:3], device)
     times = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            times[name].append(_timed(step, batches, device))
+    for index in range(args.rounds):
+        for name in (list(steps) if index % 2 == 0 else list(steps)[::-1]):
+            times[name].append(_timed(steps[name], batches, device))
 
     params = sum(p.numel() for p in plain.parameters())
     print(f"overhead: GPT {params / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), "
-          f"batch {args.batch} x {args.seq} tokens, AdamW, world {dist.get_world_size()} "
+          f"batch {args.batch} x {args.seq} tokens, AdamW, {'blocks compiled, ' if args.compile else ''}"
+          f"world {dist.get_world_size()} "
           f"({dist.get_backend()}) on {device}")
     median = {name: statistics.median(values) for name, values in times.items()}
     for name, values in times.items():

@@ -26,8 +26,3 @@ functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or fu
 
 COMPILES_DTENSOR_PARAMETERS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
-
-def compiled_submodules(module: torch.nn.Module) -> list[str]:
-    """Paths of the submodules compiled in place (`module.compile()`) or wrapped by torch.compile."""
-    return [path for path, sub in module.named_modules()
-            if getattr(sub, "_compiled_call_impl", None) is not None or type(sub).__name__ == "OptimizedModule"]

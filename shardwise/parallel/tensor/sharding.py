@@ -41,7 +41,7 @@ from ...plan.resolve import ResolvedPlan
 from ...plan.stages import layer_list
 from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
-from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single, compiled_submodules
+from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
 from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, install_rule, replace_module,
@@ -79,6 +79,20 @@ class TensorParallel:
         self._flow = None  # the first forward's FeatureFlow while it runs
         self._replaying: set[str] = set()  # recomputed modules whose inputs are already converted
         self.computing_partial = False  # inside a row-parallel matmul (its output is a partial sum)
+        self._shards_in_buffers: bool | None = None
+        self.watched: list[tuple[str, nn.Module]] = []  # the model and its blocks, for compiled_blocks
+
+    def shards_in_buffers(self, module: nn.Module) -> bool:
+        """Whether a tp shard is a view into a larger buffer (ZeRO's flat parameters), once per model."""
+        if self._shards_in_buffers is None:
+            self._shards_in_buffers = any(p._local_tensor.storage_offset() != 0 for p in module.parameters()
+                                          if isinstance(p, DTensor))
+        return self._shards_in_buffers
+
+    def compiled_blocks(self) -> list[str]:
+        """The watched modules (the model and its main layer list's blocks) compiled in place:
+        a few attribute reads, cheap enough for every forward."""
+        return [path for path, block in self.watched if getattr(block, "_compiled_call_impl", None) is not None]
 
     @property
     def loss_parallel(self) -> bool:
@@ -213,11 +227,18 @@ class TensorParallel:
     def forward(self, module: nn.Module) -> Iterator[None]:
         """Around one forward of `module` (or of a pipeline stage of it): the first is checked,
         and the per-forward state is dropped after each."""
-        if not COMPILES_DTENSOR_PARAMETERS and self.sharded_modules and compiled_submodules(module):
+        if self.sharded_modules and (not COMPILES_DTENSOR_PARAMETERS or self.shards_in_buffers(module)) \
+                and self.compiled_blocks():
+            if not COMPILES_DTENSOR_PARAMETERS:
+                raise ConfigError(
+                    f"{self.compiled_blocks()[:3]} are compiled, and torch {torch.__version__} loses the gradients of "
+                    "tensor-parallel parameters inside compiled code (every one zero, without a word); compile them on "
+                    "torch >= 2.13, or train them eager here")
             raise ConfigError(
-                f"{compiled_submodules(module)[:3]} are compiled, and torch {torch.__version__} loses the gradients of "
-                "tensor-parallel parameters inside compiled code (every one zero, without a word); compile them on "
-                "torch >= 2.13, or train them eager here")
+                f"{self.compiled_blocks()[:3]} are compiled under tensor parallelism with ZeRO: torch's compiler cannot "
+                "yet trace a DTensor parameter whose shard lives inside ZeRO's flat parameter buffer (Dynamo fails on a "
+                "DTensor whose local tensor has a storage offset). Compile tp with zero=0 (ZeRO alone compiles), or "
+                "train these blocks eager")
         try:
             with self.check_first_forward(module):
                 yield
@@ -311,8 +332,10 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
     _install_rules(module, tp, materialize)
     _install_activation_conversions(module, tp)
     blocks = layer_list(module)
-    for block in module.get_submodule(blocks) if blocks is not None else ():
+    tp.watched = [("", module)]
+    for name, block in module.get_submodule(blocks).named_children() if blocks is not None else ():
         block.register_forward_hook(lambda *_: tp.end_block())
+        tp.watched.append((f"{blocks}.{name}", block))
     if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
         replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
         broadcast_tensors([t.data for t in replicated], tp.group, 64 << 20)
