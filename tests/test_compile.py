@@ -17,6 +17,10 @@ object per distinct layout, never as a module path Dynamo would specialize each 
 (ten blocks, past Dynamo's recompile limit of 8, which the test makes an error instead of a
 quiet fall back to eager).
 
+A Hugging Face decoder layer under tp + sequence parallelism calls its attention with keyword
+arguments, which the plan's input conversions find by the forward's signature, read once (binding
+it with `inspect` at every call broke the graph).
+
 Under context parallelism the blocks' attention is routed (a torch function mode) to the
 whole-sequence attention, whose backward Dynamo traces too (no `autograd.grad` inside it), and
 its traffic counter is a tensor (a Python counter would be guarded on and compile every block
@@ -41,7 +45,7 @@ import shardwise as sw
 from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
 from parity import EPS_LOSS, SGD, gpt_batches, make_gpt, reference_run
 from test_context_parallel import cp_batches
-from test_float8 import FLOAT8_TRAJECTORY, to_float8
+from test_float8 import FLOAT8_TRAJECTORY, llama, llama_batches, to_float8
 
 BLOCKS = 10  # more than Dynamo's recompile limit (8): blocks specialized by their path would fall back to eager
 LAYOUTS = {
@@ -51,14 +55,17 @@ LAYOUTS = {
     "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules
     "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
+    "llama tp2 sp": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
 }
 
 
 def batches(name: str) -> list:
-    return cp_batches(3) if "cp" in name else gpt_batches(3, 8)
+    return cp_batches(3) if "cp" in name else llama_batches(3) if "llama" in name else gpt_batches(3, 8)
 
 
 def model(name: str, float8: bool | None = None) -> torch.nn.Module:
+    if "llama" in name:
+        return llama(float8=False, layers=BLOCKS)
     gpt = make_gpt(0, n_layer=BLOCKS)
     return to_float8(gpt) if (float8 if float8 is not None else "float8" in name) else gpt
 
@@ -74,7 +81,7 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
         counters.clear()
         sample = gpt_batches(1, 8)[0][:4] if "pp" in config else None
         pm = sw.parallelize(model(name), sw.ParallelConfig(**config), plan=plan, sample=sample)
-        for block in pm.module.layers:
+        for block in pm.module.lm.model.layers if "llama" in name else pm.module.layers:
             block.compile(backend="eager")
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
         losses = []

@@ -66,11 +66,11 @@ def gpt(float8: bool = True) -> nn.Module:
     return to_float8(model) if float8 else model
 
 
-def llama(float8: bool = True) -> nn.Module:
+def llama(float8: bool = True, layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     model = EndToEnd(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        intermediate_size=128, max_position_embeddings=64)))
+        vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+        intermediate_size=128, max_position_embeddings=64, use_cache=False)))  # training: no KV cache
     return to_float8(model) if float8 else model
 
 

@@ -71,7 +71,7 @@ class TensorParallel:
         self._converted: dict[torch.Tensor, bool] = {}  # the same inputs themselves (what compiled code sees)
         self._layouts: dict[tuple, ModuleLayout] = {}  # interned by value (layout)
         self._contexts: dict[int, RuleContext] = {}  # per layout (rule_context)
-        self._signatures: dict[type, inspect.Signature] = {}  # a module class's forward signature, shared
+        self._signatures: dict[type, ForwardArguments] = {}  # a module class's forward signature, shared
         self.views_of_gathered: str | None = None  # a module whose gathered input is read as a view (eager saw it)
         # the tensors whose storage ids key _gathered and _entered_storages, held until the forward ends so
         # that no new storage takes one of those ids (a stale hit would add a collective on one rank only)
@@ -385,7 +385,7 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
             tp.partial_grad_params.update(id(param) for param in mod.parameters(recurse=False))
             if isinstance(mod, nn.Dropout) and type(mod).forward is nn.Dropout.forward:
                 replace_module(module, mod, mod := ShardedDropout(mod, tp, first.dim))
-        signature = tp._signatures.setdefault(type(mod), inspect.signature(mod.forward))
+        signature = tp._signatures.setdefault(type(mod), ForwardArguments(mod.forward))
         if any(t is not None and isinstance(t[0], Conversion) for t in placements):
             mod.register_forward_pre_hook(functools.partial(
                 _convert_inputs, tp=tp, path=path, layout=tp.layout(path), signature=signature), with_kwargs=True)
@@ -404,22 +404,43 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
                 functools.partial(_redistribute_output, tp=tp, layout=tp.layout(path)))
 
 
+class ForwardArguments:
+    """Where a forward's tensor arguments are in a call, in the order of its signature, read
+    from the signature once: `inspect`'s binding at call time breaks Dynamo's graph (its
+    mapping proxies) in a compiled block's hooks."""
+
+    def __init__(self, forward: Callable):
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = list(inspect.signature(forward).parameters.values())
+        self.positional = len([p for p in params if p.kind in kinds])
+        named = [p.name for p in params if p.kind in kinds or p.kind is inspect.Parameter.KEYWORD_ONLY]
+        self.order = {name: i for i, name in enumerate(named)}
+
+    def tensor_slots(self, args: tuple, kwargs: dict) -> list[int | str]:
+        """The tensor arguments' places, in signature order: an int indexes `args`, a str names
+        a keyword (arguments caught by *args or **kwargs are not the forward's named inputs)."""
+        found = [(i, i) for i, arg in enumerate(args[:self.positional]) if isinstance(arg, torch.Tensor)]
+        found += [(self.order[k], k) for k, v in kwargs.items() if k in self.order and isinstance(v, torch.Tensor)]
+        found.sort(key=lambda item: item[0])
+        return [slot for _, slot in found]
+
+
 def _convert_inputs(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,
-                    layout: ModuleLayout, signature: inspect.Signature) -> tuple[tuple, dict] | None:
+                    layout: ModuleLayout, signature: ForwardArguments) -> tuple[tuple, dict] | None:
     """Forward pre-hook: the plan's input conversions, applied to the module's tensor
     arguments in the order of its forward's signature (the i-th placement, the i-th tensor)."""
     if tp.is_replaying(path):
         return None
-    bound = signature.bind_partial(*args, **kwargs)
-    names = [name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)]
-    for name, target in zip(names, layout.inputs):
+    args, kwargs = list(args), dict(kwargs)
+    for slot, target in zip(signature.tensor_slots(args, kwargs), layout.inputs):
         if target is not None and isinstance(target[0], Conversion):
-            bound.arguments[name] = tp.convert_input(bound.arguments[name], target[0], path)
-    return bound.args, bound.kwargs
+            holder = args if isinstance(slot, int) else kwargs
+            holder[slot] = tp.convert_input(holder[slot], target[0], path)
+    return tuple(args), kwargs
 
 
 def _check_declared_shards(mod: nn.Module, args: tuple, kwargs: dict, *, tp: TensorParallel, path: str,
-                           positions: list[int], signature: inspect.Signature) -> None:
+                           positions: list[int], signature: ForwardArguments) -> None:
     """Forward pre-hook, the first forward only: an input the plan declares to arrive as
     `Shard(d)` (this rank's slice) that is the same on every tp rank arrived whole, and
     computing on it as a slice would sum its parameters' gradients over tp (tp x too large);
@@ -427,8 +448,7 @@ def _check_declared_shards(mod: nn.Module, args: tuple, kwargs: dict, *, tp: Ten
     veScale's `[[Shard(1)]]` means "split to"; here that is written "Replicate() -> Shard(1)"."""
     if tp.first_forward_checked or tp.is_replaying(path):
         return
-    bound = signature.bind_partial(*args, **kwargs)
-    tensors = [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
+    tensors = [args[slot] if isinstance(slot, int) else kwargs[slot] for slot in signature.tensor_slots(args, kwargs)]
     for i in positions:
         if i >= len(tensors) or not tensors[i].is_floating_point() or tensors[i].numel() == 0:
             continue
