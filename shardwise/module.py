@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
 from .batch import map_tensors, to_device
+from .compiling import compile_blocks
 from .errors import ConfigError, ModelError
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast
@@ -185,6 +186,11 @@ class ParallelModule(nn.Module):
         if self.param_shards is not None:
             self.param_shards.release_all()
         self.losses.check_replicated_grads()
+
+    def compile(self, *args: Any, **kwargs: Any) -> list[str]:
+        """Compile each block of the main layer list in place (torchtitan's granularity;
+        compiling.py); returns their paths."""
+        return compile_blocks(self.module, self.tensor_parallel, self.recomputed, *args, **kwargs)
 
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:

@@ -82,6 +82,23 @@ class TensorParallel:
         self._shards_in_buffers: bool | None = None
         self.watched: list[tuple[str, nn.Module]] = []  # the model and its blocks, for compiled_blocks
 
+    def refuse_compiling(self, module: nn.Module, blocks: list[str]) -> None:
+        """A `ConfigError` if `blocks` of `module` are (to be) compiled where the compiled code
+        would be wrong or crash: on torch < 2.13, or with tp shards inside ZeRO's flat buffers."""
+        if not blocks or not self.sharded_modules:
+            return
+        if not COMPILES_DTENSOR_PARAMETERS:
+            raise ConfigError(
+                f"{blocks[:3]} are compiled, and torch {torch.__version__} loses the gradients of tensor-parallel "
+                "parameters inside compiled code (every one zero, without a word); compile them on torch >= 2.13, "
+                "or train them eager here")
+        if self.shards_in_buffers(module):
+            raise ConfigError(
+                f"{blocks[:3]} are compiled under tensor parallelism with ZeRO: torch's compiler cannot yet trace a "
+                "DTensor parameter whose shard lives inside ZeRO's flat parameter buffer (Dynamo fails on a DTensor "
+                "whose local tensor has a storage offset). Compile tp with zero=0 (ZeRO alone compiles), or train "
+                "these blocks eager")
+
     def shards_in_buffers(self, module: nn.Module) -> bool:
         """Whether a tp shard is a view into a larger buffer (ZeRO's flat parameters), once per model."""
         if self._shards_in_buffers is None:
@@ -216,6 +233,12 @@ class TensorParallel:
         self._entered.clear()
         self._converted.clear()
 
+    @torch.compiler.disable
+    def end_block_hook(self, *_: Any) -> None:
+        """`end_block` as a block's forward hook, kept out of compiled code: compiled, it would
+        guard on the dicts' keys it clears (the block's tensors) and recompile every call."""
+        self.end_block()
+
     def end_forward(self) -> None:
         self._converted.clear()
         self._entered.clear()
@@ -227,18 +250,7 @@ class TensorParallel:
     def forward(self, module: nn.Module) -> Iterator[None]:
         """Around one forward of `module` (or of a pipeline stage of it): the first is checked,
         and the per-forward state is dropped after each."""
-        if self.sharded_modules and (not COMPILES_DTENSOR_PARAMETERS or self.shards_in_buffers(module)) \
-                and self.compiled_blocks():
-            if not COMPILES_DTENSOR_PARAMETERS:
-                raise ConfigError(
-                    f"{self.compiled_blocks()[:3]} are compiled, and torch {torch.__version__} loses the gradients of "
-                    "tensor-parallel parameters inside compiled code (every one zero, without a word); compile them on "
-                    "torch >= 2.13, or train them eager here")
-            raise ConfigError(
-                f"{self.compiled_blocks()[:3]} are compiled under tensor parallelism with ZeRO: torch's compiler cannot "
-                "yet trace a DTensor parameter whose shard lives inside ZeRO's flat parameter buffer (Dynamo fails on a "
-                "DTensor whose local tensor has a storage offset). Compile tp with zero=0 (ZeRO alone compiles), or "
-                "train these blocks eager")
+        self.refuse_compiling(module, self.compiled_blocks())
         try:
             with self.check_first_forward(module):
                 yield
@@ -334,7 +346,7 @@ def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: Resol
     blocks = layer_list(module)
     tp.watched = [("", module)]
     for name, block in module.get_submodule(blocks).named_children() if blocks is not None else ():
-        block.register_forward_hook(lambda *_: tp.end_block())
+        block.register_forward_hook(tp.end_block_hook)
         tp.watched.append((f"{blocks}.{name}", block))
     if tp.size > 1:  # replicated parameters and buffers start identical on every tp rank
         replicated = [local(t) for t in list(module.parameters()) + list(module.buffers()) if not is_sharded(t)]
