@@ -82,10 +82,10 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
         counters.clear()
         sample = gpt_batches(1, 8)[0][:4] if "pp" in config else None
         pm = sw.parallelize(model(name), sw.ParallelConfig(**config), plan=plan, sample=sample)
-        pm.compile(backend="eager")  # every block, fullgraph=True: a graph break inside one is an error
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
         losses = []
         try:
+            pm.compile(backend="eager")  # every block, fullgraph=True: a graph break inside one is an error
             for batch in batches(name):  # the whole batch on both replicas at dp2: their mean is one process's
                 losses.append(float(pm.train_step(batch)))
                 opt.step()
