@@ -12,8 +12,10 @@ compiled code would be wrong or crash the call is refused before anything compil
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -33,7 +35,21 @@ def compile_blocks(module: nn.Module, tensor_parallel: TensorParallel | None, re
     named = [(f"{blocks}.{name}", block) for name, block in module.get_submodule(blocks).named_children()]
     if tensor_parallel is not None:
         tensor_parallel.refuse_compiling(module, [path for path, _ in named])
+    _warn_per_layer_caches(module, len(named))
     kwargs.setdefault("fullgraph", not any(path in recomputed for path, _ in named))
     for _, block in named:
         block.compile(*args, **kwargs)
     return [path for path, _ in named]
+
+
+def _warn_per_layer_caches(module: nn.Module, blocks: int) -> None:
+    """A Hugging Face model with `use_cache` builds a key/value cache even in training and hands
+    it to every layer; Dynamo guards on the layer's slot in it and compiles each layer anew,
+    and past its recompile limit the remaining layers run eager (torch only logs it)."""
+    limit = torch._dynamo.config.recompile_limit
+    if blocks > limit and any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in module.modules()):
+        warnings.warn(
+            f"the model's Hugging Face config has use_cache=True: its key/value cache makes torch compile each of the "
+            f"{blocks} layers separately, and past torch._dynamo.config.recompile_limit={limit} the rest run eager. "
+            "Train with use_cache=False (under context parallelism, which needs the cache's mask, raise the limit "
+            "instead)", stacklevel=3)

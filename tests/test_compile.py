@@ -38,6 +38,7 @@ saved-tensor hook inside a block (graph breaks).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -147,3 +148,18 @@ def test_compiled_tp_blocks_with_zero_buffers_are_refused():
         for message in messages:
             assert "compiled under tensor parallelism with ZeRO" in message or (
                 not COMPILES_DTENSOR_PARAMETERS and "loses the gradients" in message), message
+
+
+def test_a_hugging_face_kv_cache_that_would_send_layers_eager_is_named():
+    """use_cache=True hands every layer one cache object; Dynamo compiles each layer anew and
+    past its recompile limit runs the rest eager, which torch only logs: pmodel.compile warns."""
+    from shardwise.compiling import compile_blocks
+
+    lm = llama(float8=False, layers=BLOCKS).lm
+    lm.config.use_cache = True
+    with pytest.warns(UserWarning, match="use_cache=True"):
+        compile_blocks(lm, None, [], backend="eager")
+    lm.config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_blocks(lm, None, [], backend="eager")
