@@ -256,7 +256,8 @@ class ContextParallel:
         self.shards = sequence_shards(group)
         self.sequence_dim = sequence_dim
         self.local_len = 0  # tokens per rank in the batch being run
-        self._traffic = torch.zeros(2, dtype=torch.int64)  # this step's K/V all-gathers and bytes received
+        self._counted = [0, 0]  # this step's K/V all-gathers and bytes received, eager
+        self._traffic = torch.zeros(2, dtype=torch.int64)  # the same, counted inside compiled code
         self._routing = False  # one routing mode at a time: a second would gather K/V twice
 
     def shard(self, batch: Any) -> dict:
@@ -322,22 +323,28 @@ class ContextParallel:
         return map_tensors(output, whole)
 
     def reset_traffic(self) -> None:
+        self._counted = [0, 0]
         self._traffic.zero_()
 
     @property
     def gathers(self) -> int:
-        return int(self._traffic[0])
+        return self._counted[0] + int(self._traffic[0])
 
     @property
     def gathered_bytes(self) -> int:
-        return int(self._traffic[1])
+        return self._counted[1] + int(self._traffic[1])
 
     def gathered(self, *tensors: torch.Tensor) -> None:
-        """Record the all-gather of `tensors` (K and V of one attention call), in a host tensor:
-        compiled code would guard on a Python counter's value and compile every block anew."""
+        """Record the all-gather of `tensors` (K and V of one attention call): in Python ints
+        eagerly, in a host tensor inside compiled code (Dynamo would guard on a Python counter's
+        value and compile every block anew)."""
         share = (self.shards.size - 1) / self.shards.size
         received = sum(int(t.numel() * t.element_size() * self.shards.size * share) for t in tensors)
-        self._traffic.add_(torch.tensor([len(tensors), received]))
+        if torch.compiler.is_compiling():
+            self._traffic.add_(torch.tensor([len(tensors), received]))
+        else:
+            self._counted[0] += len(tensors)
+            self._counted[1] += received
 
 
 class _ShardedAttention(TorchFunctionMode):
