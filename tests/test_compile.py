@@ -18,6 +18,9 @@ object per distinct layout, never as a module path Dynamo would specialize each 
 (ten blocks, past Dynamo's recompile limit of 8, which the test makes an error instead of a
 quiet fall back to eager).
 
+On 4 ranks, Hugging Face Llama compiles in the compositions bench/llama.py --compile times
+(tp2 + sp x dp2, ZeRO-3 over dp4, pp2 x dp2) with the same checks.
+
 A Hugging Face decoder layer under tp + sequence parallelism calls its attention with keyword
 arguments, which the plan's input conversions find by the forward's signature, read once (binding
 it with `inspect` at every call broke the graph).
@@ -59,6 +62,11 @@ LAYOUTS = {
     "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
     "llama tp2 sp": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
 }
+LAYOUTS_4 = {  # Hugging Face Llama in the compositions bench/llama.py --compile times, on 4 ranks
+    "llama tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, "llama"),
+    "llama zero3 dp4": ({"zero": 3}, None),
+    "llama pp2 x dp2": ({"pp": 2, "microbatches": 2}, None),
+}
 
 
 def batches(name: str) -> list:
@@ -72,22 +80,23 @@ def model(name: str, float8: bool | None = None) -> torch.nn.Module:
     return to_float8(gpt) if (float8 if float8 is not None else "float8" in name) else gpt
 
 
-def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
+def _compiled_runs(layouts: dict) -> dict[str, tuple[list[float], int, dict]]:
     """Per layout: losses of three steps, graphs built, graph breaks (reason -> count)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # blocks compiled once each would raise, not run eager
     found = {}
-    for name, (config, plan) in LAYOUTS.items():
+    for name, (config, plan) in layouts.items():
         torch._dynamo.reset()
         counters.clear()
-        sample = gpt_batches(1, 8)[0][:4] if "pp" in config else None
+        sample = {k: v[:4] for k, v in batches(name)[0].items()} if "llama" in name else gpt_batches(1, 8)[0][:4]
+        sample = sample if "pp" in config else None
         pm = sw.parallelize(model(name), sw.ParallelConfig(**config), plan=plan, sample=sample)
         opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
         losses = []
         try:
             pm.compile(backend="eager")  # every block, fullgraph=True: a graph break inside one is an error
-            for batch in batches(name):  # the whole batch on both replicas at dp2: their mean is one process's
+            for batch in batches(name):  # the whole batch on every replica: their mean is one process's
                 losses.append(float(pm.train_step(batch)))
                 opt.step()
                 opt.zero_grad()
@@ -101,12 +110,13 @@ def _compiled_runs() -> dict[str, tuple[list[float], int, dict]]:
 
 @pytest.fixture(scope="module")
 def compiled():
-    return sw.testing.run_on_ranks(_compiled_runs, 2)[0]
+    found = sw.testing.run_on_ranks(_compiled_runs, 2, LAYOUTS)[0]
+    return {**found, **sw.testing.run_on_ranks(_compiled_runs, 4, LAYOUTS_4)[0]}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(LAYOUTS_4))
 def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, name):
-    if not COMPILES_DTENSOR_PARAMETERS and "tp" in LAYOUTS[name][0]:
+    if not COMPILES_DTENSOR_PARAMETERS and "tp" in {**LAYOUTS, **LAYOUTS_4}[name][0]:
         assert "loses the gradients of tensor-parallel parameters" in compiled[name], compiled[name]
         return
     eager = reference_run(functools.partial(model, name), batches(name)).losses

@@ -65,7 +65,7 @@ class TensorParallel:
         self.arrived_whole: list[PlanError] = []  # inputs declared sharded that came whole (first forward)
         # a tensor read by column-parallel modules -> {placement: entered}, this forward's (a plain dict keyed
         # by the tensor itself: Dynamo traces it inside a compiled block; cleared when the forward ends)
-        self._entered: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._entered: dict[torch.Tensor, dict[tuple, torch.Tensor]] = {}
         self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
         self._entered_storages: dict[int, str] = {}  # inputs gathered by a conversion -> the converting module
         self._converted: dict[torch.Tensor, bool] = {}  # the same inputs themselves (what compiled code sees)
@@ -199,9 +199,10 @@ class TensorParallel:
         if isinstance(src, Replicate) and self._converted and self._gathered_by_conversion(x):
             return x  # gathered by an input conversion, its backward already the reduce-scatter
         by_placement = self._entered.setdefault(x, {})
-        entered = by_placement.get(str(src))
+        key = _placement_key(src)
+        entered = by_placement.get(key)
         if entered is None:
-            entered = by_placement[str(src)] = enter_parallel(x, src, self.group)
+            entered = by_placement[key] = enter_parallel(x, src, self.group)
             if isinstance(src, Shard) and entered is not x and not torch.compiler.is_compiling():
                 gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
                 self._gathered[storage_id(entered.untyped_storage())] = gathered
@@ -286,6 +287,12 @@ class TensorParallel:
         if layout.loss_parallel:
             return DTensor.from_local(y, self.mesh, [dst], run_check=False)
         return y
+
+
+def _placement_key(placement: Placement) -> tuple:
+    """A dict key for a placement built from plain values: torch 2.14's Dynamo cannot trace
+    `str()` of a placement object inside a compiled block."""
+    return ("shard", placement.dim) if isinstance(placement, Shard) else (type(placement).__name__,)
 
 
 class ModuleLayout:
