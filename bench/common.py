@@ -90,3 +90,19 @@ def pairs_plan() -> sw.Plan:
         "layers.*.attn.v_proj.weight": col, "layers.*.attn.v_proj.bias": col, "layers.*.attn.o_proj.weight": row,
         "layers.*.mlp.fc1.weight": col, "layers.*.mlp.fc1.bias": col, "layers.*.mlp.fc2.weight": row,
     }, name="column/row pairs")
+
+
+def native_pairs(args) -> torch.nn.Module:
+    """The benchmarks' GPT under torch's `parallelize_module` with `pairs_plan`'s layout
+    (ColwiseParallel / RowwiseParallel), tensor-parallel over every rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(args.layers):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[f"layers.{i}.attn.{proj}"] = ColwiseParallel()
+        plan[f"layers.{i}.attn.o_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.fc1"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.fc2"] = RowwiseParallel()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(bench_gpt(args), mesh, plan)

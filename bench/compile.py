@@ -20,23 +20,10 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, bench_parser, pairs_plan, print_times, timed_rounds, training_step
-
-
-def _native_tp(args) -> torch.nn.Module:
-    model = bench_gpt(args)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
-    plan = {}
-    for i in range(args.layers):
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"layers.{i}.attn.{proj}"] = ColwiseParallel()
-        plan[f"layers.{i}.attn.o_proj"] = RowwiseParallel()
-        plan[f"layers.{i}.mlp.fc1"] = ColwiseParallel()
-        plan[f"layers.{i}.mlp.fc2"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
+from common import (bench_batches, bench_gpt, bench_parser, native_pairs, pairs_plan, print_times, timed_rounds,
+                    training_step)
 
 
 def _native(args, layout: str) -> tuple[torch.nn.Module, object] | None:
@@ -45,7 +32,7 @@ def _native(args, layout: str) -> tuple[torch.nn.Module, object] | None:
     if layout == "tp2-sp":
         return None
     if layout == "tp2":
-        model = _native_tp(args)
+        model = native_pairs(args)
     elif layout == "zero3":
         model = bench_gpt(args)
         for block in model.layers:

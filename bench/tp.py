@@ -16,25 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, bench_parser, pairs_plan, print_times, timed_rounds, training_step
+from common import (bench_batches, bench_gpt, bench_parser, native_pairs, pairs_plan, print_times, timed_rounds,
+                    training_step)
 from shardwise.comm import CollectiveCounter
 
-
-
-def _native(args) -> torch.nn.Module:
-    model = bench_gpt(args)
-    plan = {}
-    for i in range(args.layers):
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"layers.{i}.attn.{proj}"] = ColwiseParallel()
-        plan[f"layers.{i}.attn.o_proj"] = RowwiseParallel()
-        plan[f"layers.{i}.mlp.fc1"] = ColwiseParallel()
-        plan[f"layers.{i}.mlp.fc2"] = RowwiseParallel()
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
-    return parallelize_module(model, mesh, plan)
 
 
 def _bench(args):
@@ -42,7 +29,7 @@ def _bench(args):
     tp = dist.get_world_size()
     ours = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan=pairs_plan())
     zoo = sw.parallelize(bench_gpt(args), sw.ParallelConfig(tp=tp), plan="gpt")
-    native = _native(args)
+    native = native_pairs(args)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ours, zoo, native)}
 
     steps = {

@@ -36,6 +36,7 @@ from torch import nn
 from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType, convert_to_float8_training
 
 import shardwise as sw
+from test_zoo import EndToEnd
 from parity import Run, assert_meaningful, gpt_batches, make_gpt, reference_run, train_parallel
 from shardwise.parallel.tensor.rules import tensor_parallel_rules
 from shardwise.plan import resolve_plan
@@ -50,15 +51,6 @@ def to_float8(model: nn.Module, config: Float8LinearConfig | None = None) -> nn.
     convert_to_float8_training(model, config=config or Float8LinearConfig(emulate=True),
                                module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
     return model
-
-
-class EndToEnd(nn.Module):
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, batch):
-        return self.lm(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 def gpt(float8: bool = True) -> nn.Module:
