@@ -13,9 +13,11 @@ world group was given, and a collective on a dead peer must fail in bounded time
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
+import sys
 from datetime import timedelta
 from typing import Iterable
 
@@ -37,7 +39,9 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
     or, without it, that of SLURM's `srun` (`slurm_environment`). Without either, starts a
     world of one process. The backend is NCCL for CUDA tensors (with gloo beside it for the
     small CPU messages ranks agree with) when CUDA is available, gloo otherwise, unless
-    `backend` names one.
+    `backend` names one. The group it starts is destroyed when the interpreter exits: a
+    process that leaves gloo's threads to static destruction aborts now and then ("terminate
+    called without an active exception", seen on torch 2.11 and 2.13 in about 1 exit in 10).
     """
     if dist.is_initialized():
         return
@@ -50,6 +54,17 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    atexit.register(destroy_world_at_exit)
+
+
+def destroy_world_at_exit() -> None:
+    """Destroy the default process group if the program left it alive and ends cleanly.
+
+    After an uncaught exception (`sys.last_value` is set) it is left alone: a peer may be dead
+    or a collective outstanding, and NCCL's shutdown waits for both, so it could hang the exit.
+    """
+    if dist.is_initialized() and not hasattr(sys, "last_value"):
+        dist.destroy_process_group()
 
 
 def slurm_environment(environ: dict[str, str]) -> dict[str, str]:
