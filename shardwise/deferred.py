@@ -127,6 +127,10 @@ class DeferredInit:
         replay = _Replay(self.ops, finals, cut)
         values = replay.run()
         self.peak_bytes, self.materialized_bytes = replay.peak_bytes, replay.kept_bytes
+        # Played once: the record goes now, with any real tensor its ops captured. Fake
+        # tensors of a Hugging Face Llama's record left alive until interpreter exit corrupt
+        # the heap there (glibc's "corrupted double-linked list", every pp run on torch 2.13).
+        self.ops = []
         return values
 
 

@@ -122,21 +122,12 @@ print(dist.get_rank(), dist.get_world_size(), int(t), flush=True)
 def test_srun_tasks_form_one_world():
     """Two processes started as srun starts them (SLURM_* only, no torchrun variables) form a
     world of two (before, each trained alone at world size 1), and leave it released at exit."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    from launch import free_port, launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    procs = [subprocess.Popen([sys.executable, "-c", SLURM_TASK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
-                                              "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
-                                              "SLURM_JOB_ID": "1", "MASTER_PORT": str(port)})
-             for r in range(2)]
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert sorted(out.split()[:3] for out, _ in outputs) == [["0", "2", "2"], ["1", "2", "2"]], outputs
-    assert all(out.split()[3:] == ["released"] for out, _ in outputs), outputs
+    port = free_port()
+    outputs = launch(SLURM_TASK, [{"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_NUM_TASKS": "2",
+                                   "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "1", "MASTER_PORT": str(port)}
+                                  for r in range(2)])
+    assert [code for code, _, _ in outputs] == [0, 0], outputs
+    assert sorted(out.split()[:3] for _, out, _ in outputs) == [["0", "2", "2"], ["1", "2", "2"]], outputs
+    assert all(out.split()[3:] == ["released"] for _, out, _ in outputs), outputs

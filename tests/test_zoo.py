@@ -129,3 +129,25 @@ def test_zoo_plan_on_the_wrong_model():
 def test_deferred_init_of_hugging_face_models(kind):
     """Transformers skips its weight init on the meta device; deferred init must still match eager."""
     run_and_compare(2, {"tp": 2}, functools.partial(make, kind), batches(kind), plan=kind, deferred=True)
+
+
+DEFERRED_PIPELINE_SCRIPT = """
+import shardwise as sw
+from test_zoo import batches, make
+sw.init_distributed()
+pm = sw.parallelize(sw.deferred_init(make, "llama"), sw.ParallelConfig(pp=2, microbatches=2), sample=batches("llama")[0])
+print(float(pm.train_step(batches("llama")[0])), flush=True)
+"""
+
+
+def test_deferred_pipeline_script_exits_cleanly():
+    """A user's script, torchrun-style: a deferred Hugging Face Llama in two pipeline stages,
+    one step, then the interpreter's own shutdown. Fault it catches: the deferred record's
+    fake tensors kept to that shutdown, where they corrupted the heap (glibc aborts with
+    "corrupted double-linked list" on every run)."""
+    from launch import free_port, launch, torchrun_environment
+
+    port = free_port()
+    outputs = launch(DEFERRED_PIPELINE_SCRIPT, [torchrun_environment(r, 2, port) for r in range(2)])
+    assert [code for code, _, _ in outputs] == [0, 0], [(code, err[-2000:]) for code, _, err in outputs]
+    assert len({out for _, out, _ in outputs}) == 1, outputs  # every rank returns the last stage's loss
