@@ -7,7 +7,8 @@ fraction of a second rather than one interpreter start per rank. The rendezvous 
 lives in the calling process on a port the OS picks, so concurrent runs never race for a
 port. A worker that raises, dies or outlives `timeout` makes the call raise
 `RankFailedError` naming the rank, with its traceback, and every other worker is killed:
-nothing is left hanging.
+nothing is left hanging. So does a worker that returned its result and then crashed, or
+did not exit within 10 seconds.
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ def run_on_ranks(
     try:
         out = _collect(procs, results, timeout)
         finished = True
-        return out
     finally:
         for proc in procs:
             if finished:  # let workers that reported run their exit handlers
@@ -111,6 +111,11 @@ def run_on_ranks(
         for proc in procs:
             proc.join()
         results.close()
+    crashed = [f"rank {r} with exit code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
+    if crashed:  # a user's script that crashes on its way out fails its job: so does this
+        raise RankFailedError(f"{', '.join(crashed)} of {world_size} crashed or hung on exit after returning "
+                              "its result")
+    return out
 
 
 def _collect(procs, results, timeout: float) -> list[Any]:

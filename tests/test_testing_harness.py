@@ -1,8 +1,9 @@
 """run_on_ranks: results in rank order, worker errors re-raised with rank and traceback,
-dead and hanging workers reported instead of waited on."""
+dead and hanging workers reported instead of waited on, a crash on the way out reported too."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import time
 
@@ -35,6 +36,12 @@ def _hang():
     time.sleep(60)
 
 
+def _crash_on_exit_on_rank_one():
+    if dist.get_rank() == 1:  # runs as the worker leaves, after its result was sent
+        multiprocessing.util.Finalize(None, os._exit, args=(7,), exitpriority=0)
+    return dist.get_rank()
+
+
 def test_results_come_back_in_rank_order():
     results = sw.testing.run_on_ranks(_sum_of_ranks, 3, 2.0)
     assert [r["rank"] for r in results] == [0, 1, 2]
@@ -64,3 +71,8 @@ def test_hanging_workers_are_killed_after_timeout():
     with pytest.raises(sw.RankFailedError, match=r"ranks \[0, 1\] of 2 did not finish within 2s"):
         sw.testing.run_on_ranks(_hang, 2, timeout=2)
     assert time.monotonic() - start < 20
+
+
+def test_worker_that_crashes_after_returning_fails_the_run():
+    with pytest.raises(sw.RankFailedError, match="rank 1 with exit code 7 of 2 crashed or hung on exit"):
+        sw.testing.run_on_ranks(_crash_on_exit_on_rank_one, 2, timeout=60)
