@@ -171,12 +171,14 @@ def _measure_fake_world(shape: dict, world: int, options: dict, seq: int) -> tup
     return float(states), float(saved), params
 
 
-def fake_world_validation(shape: dict, world: int, layouts: list[dict], seq: int) -> list[tuple[str, float, float, float]]:
-    """A Llama of `shape` at `world` ranks, rank 0 measured in one (spawned) process per
-    layout, against the planner: (name, total, model states, activations) relative errors."""
+def fake_world_validation(shape: dict, world: int, layouts: list[dict], seq: int,
+                          process_per_layout: bool = True) -> list[tuple[str, float, float, float]]:
+    """A Llama of `shape` at `world` ranks, rank 0 measured in a spawned process (a fresh one
+    per layout unless `process_per_layout` is False), against the planner: (name, total,
+    model states, activations) relative errors."""
     # a fresh process per layout: each holds rank 0's real shards (up to ~10 GiB for the 1.1B at dp=64)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                max_tasks_per_child=1) as pool:
+                                                max_tasks_per_child=1 if process_per_layout else None) as pool:
         measured = list(pool.map(_measure_fake_world, *zip(*[(shape, world, options, seq) for options in layouts])))
     errors = []
     with torch.device("meta"):

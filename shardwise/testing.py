@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import pickle
 import queue
+import re
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -29,11 +31,19 @@ import torch.distributed as dist
 from .errors import RankFailedError
 
 _PRELOAD = ["__main__", "torch", "torch.distributed", "shardwise"]
+# Heavy libraries the caller already uses are imported once, in the forkserver, not in every
+# worker (Hugging Face's model code costs about a second and a half of CPU per process). Only
+# where CUDA is not available: torchao asks torch.cuda.is_available() as it is imported, which
+# starts the CUDA driver in the forkserver, and a process forked after that cannot use CUDA.
+# (Asking it here is harmless: the forkserver is a fresh interpreter, not a fork of this one.)
+_PRELOAD_WHEN_IMPORTED = re.compile(r"transformers(\.models\.\w+\.modeling_\w+)?|torchao\.float8")
 
 
 def _context() -> multiprocessing.context.BaseContext:
+    """The forkserver context; its preload list counts only before the server first starts."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    heavy = [] if torch.cuda.is_available() else sorted(n for n in sys.modules if _PRELOAD_WHEN_IMPORTED.fullmatch(n))
+    ctx.set_forkserver_preload(_PRELOAD + heavy)
     return ctx
 
 

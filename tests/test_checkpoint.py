@@ -88,7 +88,8 @@ def test_merged_file_loads_into_the_original_module(saved):
     merged = load_file(str(path.with_suffix(".safetensors")))
     module = make_gpt(3, n_layer=4)
     module.load_state_dict(merged, strict=True)
-    assert all(torch.equal(module.state_dict()[k], want[k]) for k in want)
+    got = module.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_start_from_a_plain_state_dict(saved):

@@ -60,10 +60,9 @@ LAYOUTS = {
     "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules
     "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
-    "llama tp2 sp": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
 }
 LAYOUTS_4 = {  # Hugging Face Llama in the compositions bench/llama.py --compile times, on 4 ranks
-    "llama tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, "llama"),
+    "llama tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
     "llama zero3 dp4": ({"zero": 3}, None),
     "llama pp2 x dp2": ({"pp": 2, "microbatches": 2}, None),
 }

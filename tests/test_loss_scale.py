@@ -138,7 +138,8 @@ def _fp16_run(zero: int, root: str | None = None) -> tuple[list[float], list[flo
         opt.step()
         opt.zero_grad()
         scales.append(opt.loss_scaler.scale)
-        skipped.append(all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items()))
+        after = pm.full_state_dict()
+        skipped.append(all(torch.equal(v, after[k]) for k, v in before.items()))
     if root is not None:  # the scale and its growth count travel with checkpoints
         sw.save_checkpoint(root, pm, opt)
         fresh = sw.build_optimizer(sw.parallelize(MLP(), sw.ParallelConfig(param_dtype=torch.float16, zero=zero)),

@@ -96,7 +96,8 @@ def _mismatched(root: str):
         malformed = None
     except sw.CheckpointError as exc:
         malformed = str(exc)
-    return refused, all(torch.equal(v, pm.full_state_dict()[k]) for k, v in before.items()), malformed
+    after = pm.full_state_dict()
+    return refused, all(torch.equal(v, after[k]) for k, v in before.items()), malformed
 
 
 def test_a_mismatched_optimizer_changes_nothing(tmp_path):

@@ -55,7 +55,7 @@ def test_memory_predictions_in_a_fake_world():
     checks that stages are balanced on a rank's own sequence shard."""
     layouts = [{"tp": 2, "pp": 4, "microbatches": 4, "zero": 1}, {"tp": 2, "zero": 3, "recompute": "selective"},
                {"pp": 2, "cp": 2, "microbatches": 2, "zero": 2}]
-    errors = bench.fake_world_validation(HEAVY_EMBEDDING, 8, layouts, 256)
+    errors = bench.fake_world_validation(HEAVY_EMBEDDING, 8, layouts, 256, process_per_layout=False)  # small: one process
     assert len(errors) == len(layouts)
     for name, total, states, activations in errors:
         for part, error in (("total", total), ("model states", states), ("activations", activations)):

@@ -48,7 +48,8 @@ def _deferred_memory(tp: int):
     record = module.__dict__["_shardwise_deferred"]
     pm = sw.parallelize(module, sw.ParallelConfig(tp=tp), plan="gpt")
     eager = make_gpt(0, n_layer=4, d_model=128)
-    exact = all(torch.equal(pm.full_state_dict()[k], v) for k, v in eager.state_dict().items())
+    full = pm.full_state_dict()
+    exact = all(torch.equal(full[k], v) for k, v in eager.state_dict().items())
     local_bytes = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in pm.module.parameters())
     return exact, local_bytes, record.materialized_bytes, record.peak_bytes
 
