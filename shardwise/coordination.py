@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,7 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
+SKIPPED = "collective operations must be called on every rank in the same order:"
 def code(text: str) -> int:
     """A stable 56-bit code for a string (operation names, fingerprints)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
@@ -155,7 +157,9 @@ class Coordinator:
         self.out_of_step: str | None = None  # why this rank can no longer take part in collectives
         self.current = "idle"
         base = store if store is not None else default_store()
-        self.store = dist.PrefixStore("shardwise/beacon/", base) if base is not None else None
+        # keyed by the group: each coordinator numbers its own operations
+        prefix = f"shardwise/beacon/{getattr(group, 'group_name', '') or 'world'}/"
+        self.store = dist.PrefixStore(prefix, base) if base is not None else None
 
     @property
     def size(self) -> int:
@@ -167,22 +171,32 @@ class Coordinator:
         if self.store is None or self.size == 1:
             return
         try:
-            self.store.set(str(self.rank), f"{state} ({time.strftime('%H:%M:%S')})")
+            self.store.set(str(self.rank), f"{self.seq}\t{state} ({time.strftime('%H:%M:%S')})")
         except RuntimeError:
             pass  # the store is gone (the world is ending): diagnosis only
 
     def beacons(self, ranks: Sequence[int] | None = None) -> dict[int, str]:
         """Rank -> what it last reported (ranks that never reported are absent)."""
+        return {rank: state for rank, (_, state) in self._reports(ranks).items()}
+
+    def _reports(self, ranks: Sequence[int] | None) -> dict[int, tuple[int, str]]:
+        """Rank -> (the number of its last agreement, what it last reported)."""
         if self.store is None:
             return {}
         found = {}
         for rank in ranks if ranks is not None else self.ranks:
             try:
                 if self.store.check([str(rank)]):
-                    found[rank] = self.store.get(str(rank)).decode()
+                    seq, state = self.store.get(str(rank)).decode().split("\t", 1)
+                    found[rank] = (int(seq), state)
             except RuntimeError:
                 break
         return found
+
+    def moved_on(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Peers that already entered a later operation of this coordinator than this rank's:
+        they will never join a collective this rank waits in."""
+        return {r: state for r, (seq, state) in self._reports(ranks).items() if r != self.rank and seq > self.seq}
 
     def _diagnosis(self, ranks: Sequence[int]) -> str:
         others = {r: s for r, s in self.beacons(ranks).items() if r != self.rank}
@@ -204,6 +218,7 @@ class Coordinator:
             return
         ranks = dist.get_process_group_ranks(group)
         deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
+        seen_moved_on = False  # one more poll first: a peer may have finished just before our wait did
         while True:
             try:
                 work.wait(timeout=timedelta(seconds=max(0.01, min(POLL_S, deadline - time.monotonic()))))
@@ -211,6 +226,7 @@ class Coordinator:
             except RuntimeError as exc:
                 polled = "Operation timed out!" in str(exc)
                 if not polled:
+                    self._raise_skipped(self.failed_peers(ranks))
                     self._leave_step(f"{what} failed")
                     cause = (f"not every rank joined within timeout_s={self.timeout_s:g}s"
                              if "Timed out waiting" in str(exc) else _short(exc))
@@ -218,7 +234,17 @@ class Coordinator:
                         f"rank {self.rank}: {what} over ranks {ranks} failed: {cause}. "
                         f"Last reports of the other ranks: {self._diagnosis(ranks)}"
                     ) from exc
+            moved_on = self.moved_on(ranks)
+            if moved_on and seen_moved_on:
+                names = "; ".join(f"rank {r}: {state}" for r, state in sorted(moved_on.items()))
+                message = (f"{SKIPPED} rank {self.rank} waited in {what} over ranks {ranks}, which ranks "
+                           f"{sorted(moved_on)} skipped: they went on to a later operation ({names}); call each on "
+                           "every rank (e.g. not under `if rank == 0`)")
+                self._leave_step(message)
+                raise CommunicationError(message)
+            seen_moved_on = bool(moved_on)
             failed = self.failed_peers(ranks)
+            self._raise_skipped(failed)
             if failed or time.monotonic() >= deadline:
                 self._leave_step(f"{what} did not complete")
                 cause = ("a peer failed" if failed else
@@ -228,10 +254,20 @@ class Coordinator:
                     f"Last reports of the other ranks: {self._diagnosis(ranks)}"
                 )
 
+    def _raise_skipped(self, failed: dict[int, str]) -> None:
+        """A failed peer's diagnosis that a rank skipped an operation, word for word (one
+        message on every rank)."""
+        for state in failed.values():
+            reason = re.sub(r" \(\d\d:\d\d:\d\d\)$", "", state.removeprefix("out of step: "))
+            if reason.startswith(SKIPPED):
+                self._leave_step(reason)
+                raise CommunicationError(reason)
+
     def _leave_step(self, reason: str) -> None:
+        """Out of step for `reason`; the first reason stays (what follows is its consequence)."""
         if self.out_of_step is None:
             self.out_of_step = reason
-        self._beacon(f"out of step: {reason}")
+            self._beacon(f"out of step: {reason}")
 
     # agreement -------------------------------------------------------------------------
     def agree(self, op: str, problem: BaseException | None = None, *, value: int = 0,

@@ -66,6 +66,7 @@ class ParallelModule(nn.Module):
         self.steps = 0  # train_step calls, saved in checkpoints
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
+        self._covered: set[str] = set()  # methods whose next call the last agreed train_step vouches for
         self.losses = MicrobatchLosses(self)  # the microbatch loop of a step without a pipeline (step.py)
         self.pending_save = None  # an asynchronous save still writing (checkpoint/save.py)
         self.save_coordinator = None  # the agreement of asynchronous saves, over a group of their own
@@ -119,11 +120,16 @@ class ParallelModule(nn.Module):
     def collective(self, op: str, communicates: bool = True) -> Iterator[Callable[[], None]]:
         """Around a method called once per step that may communicate (optimizer.step,
         clip_grad_norm): agreed on the first call and every `config.check_every` calls, as
-        train_step is. Yields `ready()`, to call before the method's first collective: the
-        ranks' records are gathered while it does its local work."""
+        train_step is, except right after a train_step that agreed: every rank has just shown
+        it is in step, and a rank that then skips this method is found by the waits instead
+        (a peer that moved on to a later operation, coordination.py). Yields `ready()`, to
+        call before the method's first collective: the ranks' records are gathered while it
+        does its local work."""
         calls = self._calls[op] = self._calls.get(op, 0) + 1
-        pending = None
-        if communicates and self.topology.world_size > 1 and (calls - 1) % self.config.check_every == 0:
+        covered, pending = op in self._covered, None
+        self._covered.discard(op)
+        if communicates and self.topology.world_size > 1 and (calls - 1) % self.config.check_every == 0 \
+                and not covered:
             pending = self.coordinator.begin(op)
         ready = pending.result if pending is not None else (lambda: None)
         with self.in_step(op):
@@ -153,6 +159,7 @@ class ParallelModule(nn.Module):
         parts = self.config.microbatches
         op = "train_step" if reduce == "mean" else f"train_step(reduce={reduce!r})"  # ranks must reduce alike
         step = self.agree_on_batch(op, batch, parts, self._checking())
+        self._covered = {"optimizer.step", "clip_grad_norm"} if self._checking() else set()
         if self.context_parallel is not None:
             self.context_parallel.reset_traffic()
         weight = 1.0 if reduce == "tokens" else step.replica_weight  # tokens: set at the last microbatch

@@ -196,3 +196,32 @@ def test_unequal_replica_batches_are_weighted_by_samples(fault):
     else:  # the check this test relies on catches equal weighting
         with pytest.raises(AssertionError):
             assert_parity(reference, results[0])
+
+
+def _agreements_per_step(layouts: list[tuple[int, int]]) -> list[list[int]]:
+    return [_agreements(zero, check_every) for zero, check_every in layouts]
+
+
+def _agreements(zero: int, check_every: int) -> list[int]:
+    """Agreements (control all-gathers) each of four steps of train_step, clip_grad_norm and
+    optimizer.step opened."""
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=zero, check_every=check_every))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+    counts = []
+    for batch in gpt_batches(4, 4):
+        before = pm.coordinator.seq
+        pm.train_step(replica_slice(batch, dist.get_rank(), 2))
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        counts.append(pm.coordinator.seq - before)
+    return counts
+
+
+def test_one_agreement_per_step():
+    """An agreed train_step vouches for the clip_grad_norm and optimizer.step after it: they
+    open none of their own (a rank that skips one is named by the waits, test_bad_inputs'
+    "collective on rank 0 only"). With check_every=2 the unchecked steps open none at all."""
+    cases = {(1, 1): [1, 1, 1, 1], (0, 1): [1, 1, 1, 1], (1, 2): [1, 0, 1, 0]}  # (zero, check_every): per step
+    for got in sw.testing.run_on_ranks(_agreements_per_step, 2, list(cases)):
+        assert dict(zip(cases, got)) == cases

@@ -56,6 +56,9 @@ class OptimizerParams:
         self.zero = zero = gradients.zero
         self.pieces: dict[int, list[ParamPiece]] = {}
         self._loaded = False
+        # made now, with every rank: creating a group is collective, and optimizer.step and
+        # clip_grad_norm may run without an agreement first (ParallelModule.collective)
+        self.world = topology.group("pp", "dp", "cp", "tp") if topology.world_size > 1 else None
         if zero.params_flat:  # the model's parameters move into flat buffers (ZeRO-3 has made them already)
             for bucket in gradients.buckets:
                 bucket.flatten_params()
@@ -188,9 +191,9 @@ class OptimizerParams:
         total = total.reshape(1)
         if self.topology.world_size > 1:
             before_collectives()
-            world = self.topology.group("pp", "dp", "cp", "tp")
-            work = dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=world, async_op=True)
-            self.topology.wait(work, "all-reduce of the gradient norm", world)
+            work = dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.world,
+                                   async_op=True)
+            self.topology.wait(work, "all-reduce of the gradient norm", self.world)
         return total[0] if inf else total[0] ** (1.0 / norm_type)
 
     def nonfinite(self, before_collectives: Callable[[], None] = lambda: None) -> bool:
@@ -201,9 +204,8 @@ class OptimizerParams:
             found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
         if self.topology.world_size > 1:
             before_collectives()
-            world = self.topology.group("pp", "dp", "cp", "tp")
-            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=world, async_op=True)
-            self.topology.wait(work, "all-reduce of the inf/NaN check", world)
+            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.world, async_op=True)
+            self.topology.wait(work, "all-reduce of the inf/NaN check", self.world)
         return bool(found.item())
 
     def state_bytes(self) -> int:
