@@ -165,6 +165,8 @@ class Topology:
         self.timeout = timedelta(seconds=self.config.timeout_s)
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         per_dim = [self.group(d) for d in MESH_DIMS]
+        if self.world_size > 1:  # made now, on every rank alike: steps use it without agreeing first (ZeRO)
+            self.group(*MESH_DIMS)
         self.mesh = DeviceMesh.from_group(
             per_dim, self.device.type, mesh=self.grid, mesh_dim_names=MESH_DIMS
         )

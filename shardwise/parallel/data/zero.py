@@ -56,8 +56,8 @@ class OptimizerParams:
         self.zero = zero = gradients.zero
         self.pieces: dict[int, list[ParamPiece]] = {}
         self._loaded = False
-        # made now, with every rank: creating a group is collective, and optimizer.step and
-        # clip_grad_norm may run without an agreement first (ParallelModule.collective)
+        # made with the topology: optimizer.step and clip_grad_norm may run without an
+        # agreement first (ParallelModule.collective), so they must not create a group
         self.world = topology.group("pp", "dp", "cp", "tp") if topology.world_size > 1 else None
         if zero.params_flat:  # the model's parameters move into flat buffers (ZeRO-3 has made them already)
             for bucket in gradients.buckets:
