@@ -20,9 +20,12 @@ a stalled peer.) From the gathered table every rank takes the same decision:
   difference, before any data-dependent collective runs.
 
 While a rank waits for the others it polls: every second it reads the other ranks'
-beacons, small keys in the rendezvous store saying which operation each rank entered last,
-so a wait that cannot finish is named precisely (the rank that is behind, the operation it
-is in, a rank whose operation failed) and fails within the config's `timeout_s` at most.
+beacons, small keys in the rendezvous store (one set per coordinator) saying which operation
+each rank entered last and its number, so a wait that cannot finish is named precisely (the
+rank that is behind, the operation it is in, a rank whose operation failed) and fails within
+the config's `timeout_s` at most. A peer that already entered a later operation skipped the
+collective this rank waits in: that fails at the second poll, with one message on every rank.
+This is what lets a step's optimizer.step go without an agreement of its own (module.py).
 
 An exception that escapes an operation on one rank alone (a user's forward raising on one
 rank) leaves the others waiting inside that operation's collectives: this rank is then out
