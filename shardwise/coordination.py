@@ -24,7 +24,7 @@ beacons, small keys in the rendezvous store (one set per coordinator) saying whi
 each rank entered last and its number, so a wait that cannot finish is named precisely (the
 rank that is behind, the operation it is in, a rank whose operation failed) and fails within
 the config's `timeout_s` at most. A peer that already entered a later operation skipped the
-collective this rank waits in: that fails at the second poll, with one message on every rank.
+collective this rank waits in: that fails within about three seconds, with one message on every rank.
 This is what lets a step's optimizer.step go without an agreement of its own (module.py).
 
 An exception that escapes an operation on one rank alone (a user's forward raising on one
@@ -60,6 +60,7 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
+MOVED_ON_GRACE_S = 2.0  # a peer past this rank's operation for this long skipped the collective it waits in
 SKIPPED = "collective operations must be called on every rank in the same order:"
 def code(text: str) -> int:
     """A stable 56-bit code for a string (operation names, fingerprints)."""
@@ -196,11 +197,6 @@ class Coordinator:
                 break
         return found
 
-    def moved_on(self, ranks: Sequence[int]) -> dict[int, str]:
-        """Peers that already entered a later operation of this coordinator than this rank's:
-        they will never join a collective this rank waits in."""
-        return {r: state for r, (seq, state) in self._reports(ranks).items() if r != self.rank and seq > self.seq}
-
     def _diagnosis(self, ranks: Sequence[int]) -> str:
         others = {r: s for r, s in self.beacons(ranks).items() if r != self.rank}
         silent = [r for r in ranks if r != self.rank and r not in others]
@@ -221,7 +217,7 @@ class Coordinator:
             return
         ranks = dist.get_process_group_ranks(group)
         deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
-        seen_moved_on = False  # one more poll first: a peer may have finished just before our wait did
+        moved_since = None  # when a peer was first seen past this rank's operation
         while True:
             try:
                 work.wait(timeout=timedelta(seconds=max(0.01, min(POLL_S, deadline - time.monotonic()))))
@@ -237,16 +233,9 @@ class Coordinator:
                         f"rank {self.rank}: {what} over ranks {ranks} failed: {cause}. "
                         f"Last reports of the other ranks: {self._diagnosis(ranks)}"
                     ) from exc
-            moved_on = self.moved_on(ranks)
-            if moved_on and seen_moved_on:
-                names = "; ".join(f"rank {r}: {state}" for r, state in sorted(moved_on.items()))
-                message = (f"{SKIPPED} rank {self.rank} waited in {what} over ranks {ranks}, which ranks "
-                           f"{sorted(moved_on)} skipped: they went on to a later operation ({names}); call each on "
-                           "every rank (e.g. not under `if rank == 0`)")
-                self._leave_step(message)
-                raise CommunicationError(message)
-            seen_moved_on = bool(moved_on)
-            failed = self.failed_peers(ranks)
+            reports = self._reports(ranks)  # one read of the peers' beacons per poll
+            moved_since = self._raise_if_skipped_here(reports, what, ranks, moved_since)
+            failed = {r: state for r, (_, state) in reports.items() if r != self.rank and state.startswith("out of step")}
             self._raise_skipped(failed)
             if failed or time.monotonic() >= deadline:
                 self._leave_step(f"{what} did not complete")
@@ -256,6 +245,23 @@ class Coordinator:
                     f"rank {self.rank}: {what} over ranks {ranks} cannot complete: {cause}. "
                     f"Last reports of the other ranks: {self._diagnosis(ranks)}"
                 )
+
+    def _raise_if_skipped_here(self, reports: dict[int, tuple[int, str]], what: str, ranks: list[int],
+                               since: float | None) -> float | None:
+        """Peers that entered a later operation of this coordinator than this rank's will never
+        join the collective it waits in. Raise once they have been seen there for
+        MOVED_ON_GRACE_S (a peer may finish a collective a moment before this rank's wait
+        does); return when they were first seen, None if none is."""
+        moved_on = {r: state for r, (seq, state) in reports.items() if r != self.rank and seq > self.seq}
+        now = time.monotonic()
+        if not moved_on or since is None or now - since < MOVED_ON_GRACE_S:
+            return (since if since is not None else now) if moved_on else None
+        names = "; ".join(f"rank {r}: {state}" for r, state in sorted(moved_on.items()))
+        message = (f"{SKIPPED} rank {self.rank} waited in {what} over ranks {ranks}, which ranks "
+                   f"{sorted(moved_on)} skipped: they went on to a later operation ({names}); call each on "
+                   "every rank (e.g. not under `if rank == 0`)")
+        self._leave_step(message)
+        raise CommunicationError(message)
 
     def _raise_skipped(self, failed: dict[int, str]) -> None:
         """A failed peer's diagnosis that a rank skipped an operation, word for word (one

@@ -58,12 +58,14 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
 
 
 def destroy_world_at_exit() -> None:
-    """Destroy the default process group if the program left it alive and ends cleanly.
+    """Destroy the default process group if the program left it alive, ended cleanly and the
+    group has no NCCL backend.
 
-    After an uncaught exception (`sys.last_value` is set) it is left alone: a peer may be dead
-    or a collective outstanding, and NCCL's shutdown waits for both, so it could hang the exit.
+    NCCL's shutdown waits for every peer and every outstanding collective, so where a peer is
+    dead (an uncaught exception, `sys.last_value`, or one the program caught and ended on)
+    it could hang the exit; gloo's is local, and gloo is where the exit abort was seen.
     """
-    if dist.is_initialized() and not hasattr(sys, "last_value"):
+    if dist.is_initialized() and not hasattr(sys, "last_value") and "nccl" not in str(dist.get_backend()):
         dist.destroy_process_group()
 
 
