@@ -2,14 +2,17 @@
 
     python bench/agreement.py [--iters 400]
 
-Measured on local gloo ranks: one point-to-point exchange of 48 bytes (the latency alpha of
-a step of any small-message algorithm), shardwise's agreement (an all-gather of a 48-byte
-record per rank), and gloo's own all-reduce and all-gather of one record. Then, for worlds
-of 64 to 16,384 ranks, the dependent message steps of each algorithm times the measured
-alpha: gloo's all-gather is a ring of n-1 steps, its all-reduce a ring of 2(n-1) (so a
-fixed-size all-reduce of check sums, which was tried, is slower under gloo than the
-all-gather); recursive doubling would take about log2(n). (A simulation: this machine has 2
-cores; at 4 ranks the measured numbers are mostly ranks waiting for a core.)
+Measured on local gloo ranks, median microseconds per call: one point-to-point exchange of a
+64-byte vector (alpha, the latency of one dependent step of any small-message algorithm),
+shardwise's agreement (its fast path: a recursive-doubling sum of eight integers, on a
+helper thread the caller polls), the same agreement when every rank's record is gathered
+(`every_value=True`, the path taken when something differs), and gloo's own all-reduce
+and all-gather of one record. Then, for worlds of 64 to 16,384 ranks, each algorithm's
+dependent message steps times the measured alpha, plus the agreement's fixed local cost
+(hashing, the thread hand-off: the measured agreement minus one exchange at 2 ranks).
+The rank-local part at large worlds is measured in one process on torch's fake process
+group (a world of 1,024 and 16,384: building the record must not scan the world). (This
+machine has 2 cores; at 4 ranks the measured numbers are mostly ranks waiting for a core.)
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.control_sum import doubling_steps
+from shardwise.coordination import Fingerprint
 
 
 def _median_us(fn, iters: int) -> float:
@@ -40,7 +45,7 @@ def _median_us(fn, iters: int) -> float:
 def _measure(iters: int) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     pm = sw.parallelize(torch.nn.Linear(4, 4), sw.ParallelConfig())
-    record = torch.zeros(6, dtype=torch.int64)
+    record = torch.zeros(8, dtype=torch.int64)
     out = {}
     if world == 2:
         other = 1 - rank
@@ -53,20 +58,40 @@ def _measure(iters: int) -> dict[str, float]:
 
         out["p2p exchange"] = _median_us(exchange, iters)
     out["shardwise agreement"] = _median_us(lambda: pm.coordinator.agree("agree"), iters)
+    out["gathered agreement"] = _median_us(lambda: pm.coordinator.agree("agree", every_value=True), iters)
     out["gloo all_reduce"] = _median_us(lambda: dist.all_reduce(record), iters)
-    gathered = torch.zeros(6 * world, dtype=torch.int64)
+    gathered = torch.zeros(8 * world, dtype=torch.int64)
     out["gloo all_gather"] = _median_us(lambda: dist.all_gather_into_tensor(gathered, record), iters)
     return out
 
 
 def steps(world: int) -> dict[str, int]:
-    """Dependent message steps of each algorithm for a small message at `world` ranks: gloo's
-    rings, and recursive doubling (ceil(log2 p) exchanges, p the largest power of two <= n,
-    plus one before and one after when n is not a power of two)."""
-    p = 1 << (world.bit_length() - 1)
-    return {"recursive doubling": (p.bit_length() - 1) + 2 * (world != p), "gloo all_gather (the agreement)":
-            world - 1,
-            "gloo all_reduce": 2 * (world - 1)}
+    """Dependent message steps of each algorithm for a small message at `world` ranks."""
+    return {"shardwise agreement (recursive doubling)": doubling_steps(world),
+            "gathered records (gloo all_gather ring)": world - 1, "gloo all_reduce (ring)": 2 * (world - 1)}
+
+
+def _local_cost(world: int, iters: int) -> float:
+    """Microseconds of one agreement's rank-local work (records, check terms, no messages)
+    for a tp=8 topology of `world` ranks, in one process on torch's fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        topology = sw.Topology(sw.ParallelConfig(tp=8))
+        coordinator = topology.coordinator
+
+        def local():
+            fp = Fingerprint(12345, list, sw.BatchError, "", peers=topology.peer_groups("pp", "cp", "tp"))
+            coordinator._summary("train_step", None, 8, [fp])
+
+        local()
+        start = time.perf_counter()
+        for _ in range(iters):
+            local()
+        return (time.perf_counter() - start) / iters * 1e6
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -75,18 +100,26 @@ def main() -> None:
     args = parser.parse_args()
     measured = {n: sw.testing.run_on_ranks(_measure, n, args.iters)[0] for n in (2, 4)}
     alpha = measured[2]["p2p exchange"]
+    fixed = max(0.0, measured[2]["shardwise agreement"] - alpha)
     print("measured on local gloo (2 cores), median microseconds per call:")
-    print(f"{'ranks':>6} {'p2p exchange':>13} {'agreement':>10} {'all_reduce':>11} {'all_gather':>11}")
+    columns = ["p2p exchange", "shardwise agreement", "gathered agreement", "gloo all_reduce", "gloo all_gather"]
+    print(f"{'ranks':>6} " + " ".join(f"{c:>20}" for c in columns))
     for n, m in measured.items():
-        print(f"{n:>6} {m.get('p2p exchange', float('nan')):>13.0f} {m['shardwise agreement']:>10.0f} "
-              f"{m['gloo all_reduce']:>11.0f} {m['gloo all_gather']:>11.0f}")
-    print(f"\nmodelled from alpha = {alpha:.0f} us (one 48-byte exchange at 2 ranks) x dependent steps:")
+        print(f"{n:>6} " + " ".join(f"{m.get(c, float('nan')):>20.0f}" for c in columns))
+    local = {n: sw.testing.run_on_ranks(_local_cost, 1, n, args.iters)[0] for n in (64, 1024, 16384)}
+    print("\nrank-local work of one agreement (fake process group, tp=8), microseconds: "
+          + ", ".join(f"world {n}: {us:.1f}" for n, us in local.items()))
+    print(f"\nmodelled: alpha = {alpha:.0f} us (one exchange at 2 ranks) x dependent steps, "
+          f"+ {fixed:.0f} us fixed local cost for shardwise's agreement:")
     names = list(steps(2))
-    print(f"{'ranks':>6} " + " ".join(f"{name + ' steps':>34} {'ms':>8}" for name in names))
+    print(f"{'ranks':>6} " + " ".join(f"{name:>40} {'ms':>7}" for name in names))
     for n in (64, 128, 256, 512, 1024, 16384):
         s = steps(n)
-        print(f"{n:>6} " + " ".join(f"{s[name]:>34} {s[name] * alpha / 1e3:>8.2f}" for name in names))
-    print("growth: gloo all_reduce 2(n-1), all_gather n-1, recursive doubling ~log2 n")
+        cost = {name: s[name] * alpha / 1e3 for name in names}
+        cost[names[0]] += fixed / 1e3
+        print(f"{n:>6} " + " ".join(f"{s[name]:>34} steps {cost[name]:>7.2f}" for name in names))
+    print("growth: shardwise's agreement ceil(log2 n) (+2 when n is not a power of two); "
+          "the gathered path (only when ranks differ) n-1; gloo all_reduce 2(n-1)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """Agreement between ranks before they communicate: one decision on every rank, in seconds.
 
 Every shardwise operation that communicates (parallelize, train_step, full_state_dict,
-checkpoints, ...) starts with `Coordinator.agree`: one all-gather, on a CPU (gloo) control
-group, of a fixed-size record per rank: which operation this rank is in and its sequence
-number, whether this rank met a problem before communicating (a bad file, a bad batch, a
-plan that does not resolve), a number to combine (a batch's sample count), and fingerprints
-that peers must share (the model's parameter shapes, the batch tensors' shapes and
-contents). (An all-reduce of fixed-size check sums was tried and measured: gloo runs it as a
-ring of 2(n-1) steps, twice the all-gather's n-1, so it cost more at every size; a
-recursive-doubling sum over isend/irecv would take log2(n) steps, but gloo cannot poll a
-point-to-point wait, a timed wait closes the connection, and the polling below is what names
-a stalled peer.) From the gathered table every rank takes the same decision:
+checkpoints, ...) starts with `Coordinator.agree`, on a CPU (gloo) control group, over a
+fixed-size record per rank: which operation this rank is in and its sequence number, whether
+this rank met a problem before communicating (a bad file, a bad batch, a plan that does not
+resolve), a number to combine (a batch's sample count), and fingerprints that peers must
+share (the model's parameter shapes, the batch tensors' shapes and contents).
+
+Its fast path is one sum of eight integers by recursive doubling (control_sum.py: log2(n)
+message steps, where gloo's all-gather of the records is a ring of n-1): the count of
+problems, the values' sum, and for each thing ranks must share two check sums. A check sum
+is, over each group of ranks that must agree, the sum of w_r * h(x_r) with h a 28-bit hash
+and weights summing to zero in the group (-(k-1) on its first rank, 1 on the others): zero
+when every rank of every group holds the same x, and otherwise nonzero but for a chance
+cancellation (two independent 28-bit hashes: about 2^-56). Only when a sum says something
+is wrong do the ranks all-gather their records (every rank sees the same sums, so all take
+that path), and from the gathered table every rank takes the same decision:
 - a problem on any rank becomes the same `ShardwiseError` on every rank, naming the rank
   that found it, and nobody is left waiting in a collective the failing rank never joins;
 - ranks in different operations (`if rank == 0: pm.full_state_dict()`) pair up in this
@@ -49,6 +54,7 @@ import torch.distributed as dist
 
 from . import errors
 from .compat import all_gather_single
+from .control_sum import RecursiveDoublingSum
 from .errors import CommunicationError, ShardwiseError
 
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
@@ -61,6 +67,10 @@ FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
 MOVED_ON_GRACE_S = 2.0  # a peer past this rank's operation for this long skipped the collective it waits in
+BEACON_EVERY_S = 1.0  # entering an operation republishes the beacon at most this often (a store round trip)
+HASH_BITS = 28
+SUMMARY = ("problems", "value", "op check", "op check'") + tuple(
+    f"fingerprint{i} check{q}" for i in range(FINGERPRINTS) for q in ("", "'"))
 SKIPPED = "collective operations must be called on every rank in the same order:"
 def code(text: str) -> int:
     """A stable 56-bit code for a string (operation names, fingerprints)."""
@@ -113,9 +123,11 @@ class Agreement:
     sum of the ranks' `value`s."""
 
     total: int
-    table: torch.Tensor  # (ranks, len(FIELDS)) int64
+    table: torch.Tensor | None  # (ranks, len(FIELDS)) int64; None when the fast path agreed
 
     def values(self) -> list[int]:
+        if self.table is None:
+            raise RuntimeError("this agreement kept only the values' sum: agree(..., every_value=True) keeps each rank's")
         return self.table[:, FIELDS.index("value")].tolist()
 
 
@@ -127,7 +139,8 @@ class PendingAgreement:
     op: str
     problem: BaseException | None
     fingerprints: Sequence[Fingerprint]
-    table: torch.Tensor
+    record: torch.Tensor
+    table: torch.Tensor | None  # the gathered records; None while the fast path's sum runs
     work: Any
     settled: Agreement | None = None
 
@@ -160,6 +173,10 @@ class Coordinator:
         self.seq = 0
         self.out_of_step: str | None = None  # why this rank can no longer take part in collectives
         self.current = "idle"
+        self._published = (None, float("-inf"))  # the beacon last written, and when
+        self._weights: dict[int, tuple[Any, int]] = {}  # id(peer groups) -> (them, this rank's weight)
+        fake = str(dist.get_backend(group)) == "fake"  # torch's fake world: one process, no messages
+        self.summing = RecursiveDoublingSum(group, self.ranks) if self.size > 1 and not fake else None
         base = store if store is not None else default_store()
         # keyed by the group: each coordinator numbers its own operations
         prefix = f"shardwise/beacon/{getattr(group, 'group_name', '') or 'world'}/"
@@ -170,12 +187,16 @@ class Coordinator:
         return len(self.ranks)
 
     # beacons ---------------------------------------------------------------------------
-    def _beacon(self, state: str) -> None:
+    def _beacon(self, state: str, every_s: float = 0.0) -> None:
+        """Publish `state`; with `every_s`, only if the last publication is that old (peers
+        read beacons only once a wait has lasted a poll, and a wait republishes first)."""
         self.current = state
-        if self.store is None or self.size == 1:
+        now = time.monotonic()
+        if self.store is None or self.size == 1 or now - self._published[1] < every_s:
             return
         try:
             self.store.set(str(self.rank), f"{self.seq}\t{state} ({time.strftime('%H:%M:%S')})")
+            self._published = (state, now)
         except RuntimeError:
             pass  # the store is gone (the world is ending): diagnosis only
 
@@ -233,6 +254,8 @@ class Coordinator:
                         f"rank {self.rank}: {what} over ranks {ranks} failed: {cause}. "
                         f"Last reports of the other ranks: {self._diagnosis(ranks)}"
                     ) from exc
+            if self._published[0] != self.current:  # peers must see where this rank waits
+                self._beacon(self.current)
             reports = self._reports(ranks)  # one read of the peers' beacons per poll
             moved_since = self._raise_if_skipped_here(reports, what, ranks, moved_since)
             failed = {r: state for r, (_, state) in reports.items() if r != self.rank and state.startswith("out of step")}
@@ -280,18 +303,19 @@ class Coordinator:
 
     # agreement -------------------------------------------------------------------------
     def agree(self, op: str, problem: BaseException | None = None, *, value: int = 0,
-              fingerprints: Sequence[Fingerprint] = ()) -> Agreement:
+              fingerprints: Sequence[Fingerprint] = (), every_value: bool = False) -> Agreement:
         """Every rank calls this at the same point of the same operation `op`.
 
         Raises the same error on every rank if any rank passes a `problem`, if ranks are in
         different operations, or if a fingerprint differs between ranks that must share it.
-        Returns the gathered records (every rank's `value`, and their sum).
+        Returns the sum of the ranks' `value`s, and with `every_value` each rank's (which
+        takes the all-gather instead of the fast path).
         """
-        return self.begin(op, problem, value=value, fingerprints=fingerprints).result()
+        return self.begin(op, problem, value=value, fingerprints=fingerprints, every_value=every_value).result()
 
     def begin(self, op: str, problem: BaseException | None = None, *, value: int = 0,
-              fingerprints: Sequence[Fingerprint] = ()) -> "PendingAgreement":
-        """`agree` in two halves: the records are gathered while the caller does local work;
+              fingerprints: Sequence[Fingerprint] = (), every_value: bool = False) -> "PendingAgreement":
+        """`agree` in two halves: the records are combined while the caller does local work;
         `result()` must come before the operation's first collective."""
         if self.out_of_step is not None:
             raise CommunicationError(
@@ -303,23 +327,59 @@ class Coordinator:
         if self.size == 1 and problem is not None:
             raise problem
         self.seq += 1
-        self._beacon(f"last entered {op} #{self.seq}")
+        self._beacon(f"last entered {op} #{self.seq}", every_s=BEACON_EVERY_S)
         codes = [f.value for f in fingerprints] + [0] * (FINGERPRINTS - len(fingerprints))
         record = torch.tensor([code(op), self.seq, 1 if problem is not None else 0, int(value), *codes],
                               dtype=torch.int64)
-        table, work = record.view(1, -1), None
-        if self.size > 1:
-            table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
-            work = all_gather_single(table, record, group=self.group, async_op=True)
-        return PendingAgreement(self, op, problem, fingerprints, table, work)
+        if self.size == 1:
+            return PendingAgreement(self, op, problem, fingerprints, record, record.view(1, -1), None)
+        if self.summing is not None and not every_value:
+            work = self.summing.start(self._summary(op, problem, value, fingerprints))
+            return PendingAgreement(self, op, problem, fingerprints, record, None, work)
+        return PendingAgreement(self, op, problem, fingerprints, record, *self._gather(record))
+
+    def _summary(self, op: str, problem: BaseException | None, value: int,
+                 fingerprints: Sequence[Fingerprint]) -> torch.Tensor:
+        """This rank's terms of the fast path's sums (`SUMMARY`; the module docstring)."""
+        terms = [1 if problem is not None else 0, int(value), *self._check_terms(code(f"{op}#{self.seq}"), None)]
+        for slot in range(FINGERPRINTS):
+            terms += self._check_terms(fingerprints[slot].value, fingerprints[slot].peers) \
+                if slot < len(fingerprints) else [0, 0]
+        return torch.tensor(terms, dtype=torch.int64)
+
+    def _check_terms(self, value: int, peers: Sequence[Sequence[int]] | None) -> list[int]:
+        weight = self._weight(peers)
+        mask = (1 << HASH_BITS) - 1
+        return [weight * (value & mask), weight * ((value >> HASH_BITS) & mask)]
+
+    def _weight(self, peers: Sequence[Sequence[int]] | None) -> int:
+        """This rank's weight in a check sum over `peers` (-(k-1) first in its group of k, else 1)."""
+        if peers is None:
+            return 1 - self.size if self.index == 0 else 1
+        known = self._weights.get(id(peers))
+        if known is None or known[0] is not peers:  # the same list each step (Topology.peer_groups): looked up once
+            group = next((g for g in peers if self.rank in g), [self.rank])
+            known = (peers, 1 - len(group) if group[0] == self.rank else 1)
+            self._weights = {**(self._weights if len(self._weights) < 16 else {}), id(peers): known}
+        return known[1]
+
+    def _gather(self, record: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        table = torch.empty(self.size * len(FIELDS), dtype=torch.int64)
+        return table, all_gather_single(table, record, group=self.group, async_op=True)
 
     def settle(self, pending: "PendingAgreement") -> Agreement:
-        """Wait for a pending agreement's records and decide (`PendingAgreement.result`)."""
-        op = pending.op
-        table = pending.table
-        if pending.work is not None:
-            self.wait(pending.work, f"{op} #{self.seq} (its opening agreement)", self.group)
-            table = table.view(self.size, len(FIELDS))
+        """Wait for a pending agreement's sums or records and decide (`PendingAgreement.result`)."""
+        op, table, work = pending.op, pending.table, pending.work
+        what = f"{op} #{self.seq} (its opening agreement)"
+        if table is None:
+            self.wait(work, what, self.group)
+            sums = work.result
+            if sums[0] == 0 and not sums[2:].any():
+                return Agreement(int(sums[1]), None)
+            table, work = self._gather(pending.record)  # something differs: every rank's record names it
+        if work is not None:
+            self.wait(work, what, self.group)
+        table = table.view(self.size, len(FIELDS))
         self._check_same_operation(op, table)
         flagged = table[:, FIELDS.index("problem")].nonzero().flatten().tolist()
         if flagged:

@@ -69,10 +69,10 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
         if problem is not None:
             raise problem
         return StepBatch(batch, microbatches, 1.0, loss_weights)
-    replicas = topology.ranks_at(["dp"], pp=0, cp=0, tp=0)  # one rank per replica
+    replicas = topology.size("dp")
     if check:
         lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
-        leader = topology.rank in replicas  # counts its replica's samples once
+        leader = all(topology.coordinates[d] == 0 for d in ("pp", "cp", "tp"))  # counts its replica's samples once
         agreement = pmodel.coordinator.agree(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
             fingerprint_of(lines), lambda: lines, BatchError,
             "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
@@ -81,13 +81,13 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
     else:
         if problem is not None:
             raise problem
-        total = samples * len(replicas)
-        if len(replicas) > 1:
+        total = samples * replicas
+        if replicas > 1:
             counted = torch.tensor([samples], dtype=torch.float64, device=topology.device)
             dp = topology.group("dp")
             pmodel.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
             total = int(counted.item())
-    return StepBatch(batch, microbatches, samples * len(replicas) / total,  # exactly 1.0 when replicas are equal
+    return StepBatch(batch, microbatches, samples * replicas / total,  # exactly 1.0 when replicas are equal
                      loss_weights)
 
 

@@ -166,6 +166,7 @@ class Topology:
         self.device = backend_device()
         self.timeout = timedelta(seconds=self.config.timeout_s)
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._families: dict[tuple[str, ...], list[list[int]]] = {}  # per-step lookups stay O(1) at any world
         per_dim = [self.group(d) for d in MESH_DIMS]
         if self.world_size > 1:  # made now, on every rank alike: steps use it without agreeing first (ZeRO)
             self.group(*MESH_DIMS)
@@ -189,7 +190,7 @@ class Topology:
     # groups ------------------------------------------------------------------------
     def group_ranks(self, *dims: str) -> list[int]:
         """Global ranks of this rank's group spanning `dims`, ordered by coordinate."""
-        for ranks in group_family(self.grid, dims):
+        for ranks in self.peer_groups(*dims):
             if self.rank in ranks:
                 return ranks
         raise AssertionError(f"rank {self.rank} is in no {dims} group")  # grid covers every rank
@@ -198,8 +199,11 @@ class Topology:
         """The ranks of the group spanning `dims` around this rank's coordinates, with some
         overridden, e.g. `ranks_at(["dp"], pp=0)`: the dp group of pipeline stage 0 here."""
         at = dict(self.coordinates, **coordinates)
-        rank = int(self.grid[tuple(at[d] for d in MESH_DIMS)])
-        return next(g for g in group_family(self.grid, dims) if rank in g)
+        key = ("at", *canonical_dims(dims), *(at[d] for d in MESH_DIMS))
+        if key not in self._families:
+            rank = int(self.grid[tuple(at[d] for d in MESH_DIMS)])
+            self._families[key] = [next(g for g in self.peer_groups(*dims) if rank in g)]
+        return self._families[key][0]
 
     def group(self, *dims: str) -> dist.ProcessGroup:
         """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").
@@ -227,8 +231,12 @@ class Topology:
         return self._groups[key]
 
     def peer_groups(self, *dims: str) -> list[list[int]]:
-        """Every group spanned by `dims` (all of them, not only this rank's)."""
-        return group_family(self.grid, dims)
+        """Every group spanned by `dims` (all of them, not only this rank's); the same list
+        object on every call (callers must not change it)."""
+        key = canonical_dims(dims)
+        if key not in self._families:
+            self._families[key] = group_family(self.grid, key)
+        return self._families[key]
 
     def wait(self, work: dist.Work | None, what: str, group: dist.ProcessGroup) -> None:
         """Wait for a collective of this topology, naming stalled or failed peers on failure."""

@@ -133,7 +133,7 @@ def _open_staging(path: Path, topology, extra: Any) -> tuple[Path, bytes]:
         staging = path / f"v-{token:014x}.tmp"
         problem = _attempt(lambda: staging.mkdir(parents=True), f"cannot create checkpoint directory {str(staging)!r}")
     try:
-        agreement = topology.coordinator.agree("save_checkpoint", problem, value=token)
+        agreement = topology.coordinator.agree("save_checkpoint", problem, value=token, every_value=True)
     except CheckpointError:
         if staging is not None:
             _discard(topology, staging)
@@ -153,7 +153,7 @@ def _write_rank_files(staging: Path, writer: RankWriter, groups: list[list[str]]
                            f"cannot write rank {topology.rank}'s checkpoint file in {str(staging)!r}")
         crc = crc_box[0] if crc_box else 0
     try:
-        return coordinator.agree("save_checkpoint/write", problem, value=crc).values()
+        return coordinator.agree("save_checkpoint/write", problem, value=crc, every_value=True).values()
     except CheckpointError:
         _discard(topology, staging)
         raise
