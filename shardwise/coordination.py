@@ -7,15 +7,15 @@ this rank met a problem before communicating (a bad file, a bad batch, a plan th
 resolve), a number to combine (a batch's sample count), and fingerprints that peers must
 share (the model's parameter shapes, the batch tensors' shapes and contents).
 
-Its fast path is one sum of eight integers by recursive doubling (control_sum.py: log2(n)
-message steps, where gloo's all-gather of the records is a ring of n-1): the count of
+From 7 ranks its fast path is one sum of eight integers by recursive doubling (control_sum.py:
+log2(n) message steps, where gloo's all-gather of the records is a ring of n-1): the count of
 problems, the values' sum, and for each thing ranks must share two check sums. A check sum
 is, over each group of ranks that must agree, the sum of w_r * h(x_r) with h a 28-bit hash
 and weights summing to zero in the group (-(k-1) on its first rank, 1 on the others): zero
 when every rank of every group holds the same x, and otherwise nonzero but for a chance
 cancellation (two independent 28-bit hashes: about 2^-56). Only when a sum says something
 is wrong do the ranks all-gather their records (every rank sees the same sums, so all take
-that path), and from the gathered table every rank takes the same decision:
+that path; below 7 ranks they always do: the ring is as short), and from the gathered table every rank takes the same decision:
 - a problem on any rank becomes the same `ShardwiseError` on every rank, naming the rank
   that found it, and nobody is left waiting in a collective the failing rank never joins;
 - ranks in different operations (`if rank == 0: pm.full_state_dict()`) pair up in this
@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from . import errors
 from .compat import all_gather_single
-from .control_sum import RecursiveDoublingSum
+from .control_sum import RecursiveDoublingSum, doubling_steps
 from .errors import CommunicationError, ShardwiseError
 
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
@@ -67,6 +67,8 @@ FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
 MOVED_ON_GRACE_S = 2.0  # a peer past this rank's operation for this long skipped the collective it waits in
+SUM_SAVES_STEPS = 2  # the sum replaces the all-gather where it saves this many latency steps (from 7 ranks):
+# it costs a hand-off to its thread and back, and at 4 local ranks measured slower than the 3-step ring
 BEACON_EVERY_S = 1.0  # entering an operation republishes the beacon at most this often (a store round trip)
 HASH_BITS = 28
 SUMMARY = ("problems", "value", "op check", "op check'") + tuple(
@@ -164,7 +166,8 @@ def default_store() -> Any | None:
 class Coordinator:
     """Agreements and beacons over one control group (every rank of a world or topology)."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, store: Any | None = None):
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, store: Any | None = None,
+                 fast_path: bool | None = None):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
@@ -175,8 +178,10 @@ class Coordinator:
         self.current = "idle"
         self._published = (None, float("-inf"))  # the beacon last written, and when
         self._weights: dict[int, tuple[Any, int]] = {}  # id(peer groups) -> (them, this rank's weight)
-        fake = str(dist.get_backend(group)) == "fake"  # torch's fake world: one process, no messages
-        self.summing = RecursiveDoublingSum(group, self.ranks) if self.size > 1 and not fake else None
+        if fast_path is None:  # not in torch's fake world (one process, no messages)
+            fast_path = (self.size - 1 - doubling_steps(self.size) >= SUM_SAVES_STEPS
+                         and str(dist.get_backend(group)) != "fake")
+        self.summing = RecursiveDoublingSum(group, self.ranks) if fast_path and self.size > 1 else None
         base = store if store is not None else default_store()
         # keyed by the group: each coordinator numbers its own operations
         prefix = f"shardwise/beacon/{getattr(group, 'group_name', '') or 'world'}/"
