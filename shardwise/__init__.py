@@ -19,7 +19,9 @@ from .errors import (
     ShardwiseError,
 )
 from .build import parallelize
+from .loggers import ConsoleLogger, JsonlLogger, TensorBoardLogger, WandbLogger, get_logger
 from .loss_scale import LossScaler
+from .metrics import StepMetrics
 from .module import DataParallelInfo, ParallelModule, data_parallel_info
 from .optim import build_optimizer
 from .plan import Plan
@@ -43,7 +45,9 @@ __all__ = [
     "Cluster",
     "CommunicationError",
     "ConfigError",
+    "ConsoleLogger",
     "DataParallelInfo",
+    "JsonlLogger",
     "LossScaler",
     "ModelError",
     "ParallelConfig",
@@ -52,8 +56,11 @@ __all__ = [
     "PlanError",
     "RankFailedError",
     "ShardwiseError",
+    "StepMetrics",
     "StepOutput",
+    "TensorBoardLogger",
     "Topology",
+    "WandbLogger",
     "activation_memory",
     "build_optimizer",
     "check",
@@ -62,6 +69,7 @@ __all__ = [
     "dcp_state",
     "deferred_init",
     "gather",
+    "get_logger",
     "init_distributed",
     "load_checkpoint",
     "load_pretrained",

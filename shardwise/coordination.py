@@ -176,6 +176,7 @@ class Coordinator:
         self.seq = 0
         self.out_of_step: str | None = None  # why this rank can no longer take part in collectives
         self.current = "idle"
+        self.waited_s = 0.0  # time blocked in `wait` (metrics.py: exposed communication)
         self._published = (None, float("-inf"))  # the beacon last written, and when
         self._weights: dict[int, tuple[Any, int]] = {}  # id(peer groups) -> (them, this rank's weight)
         if fast_path is None:  # not in torch's fake world (one process, no messages)
@@ -241,6 +242,13 @@ class Coordinator:
         failed, and at the latest after `deadline_s` (default: the timeout)."""
         if work is None:
             return
+        start = time.perf_counter()
+        try:
+            self._wait(work, what, group, deadline_s)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def _wait(self, work: Any, what: str, group: dist.ProcessGroup, deadline_s: float | None) -> None:
         ranks = dist.get_process_group_ranks(group)
         deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
         moved_since = None  # when a peer was first seen past this rank's operation

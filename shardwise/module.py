@@ -31,6 +31,7 @@ from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan
 from .state import ModelIndex
 from .step import MicrobatchLosses, StepBatch, agree_on_batch, check_forward
+from .metrics import MetricsRecorder
 from .step_output import StepOutput, check_reduce, concatenated
 from .tensors import local, whole
 from .topology import Topology
@@ -67,6 +68,7 @@ class ParallelModule(nn.Module):
         self._forwards = 0  # plain forward calls (checked like train_step every config.check_every)
         self._calls: dict[str, int] = {}  # calls of other per-step collective methods, for the same
         self._covered: set[str] = set()  # methods whose next call the last agreed train_step vouches for
+        self.metrics = MetricsRecorder(self)  # what steps measured show (metrics.py)
         self.losses = MicrobatchLosses(self)  # the microbatch loop of a step without a pipeline (step.py)
         self.pending_save = None  # an asynchronous save still writing (checkpoint/save.py)
         self.save_coordinator = None  # the agreement of asynchronous saves, over a group of their own
@@ -136,7 +138,8 @@ class ParallelModule(nn.Module):
             yield ready
             ready()
 
-    def train_step(self, batch: Any, reduce: str = "mean", outputs: bool = False) -> torch.Tensor | StepOutput:
+    def train_step(self, batch: Any, reduce: str = "mean", outputs: bool = False,
+                   metrics: bool = False) -> torch.Tensor | StepOutput:
         """Forward and backward over `config.microbatches` slices of `batch`.
 
         Gradients are the mean over microbatches and replicas weighted by their sample
@@ -145,8 +148,20 @@ class ParallelModule(nn.Module):
         gradients are only accumulated and the loss is this replica's. `reduce="sum"` sums
         over microbatches instead, `reduce="tokens"` weights each by the token count its
         forward returns second; `outputs=True` returns a `StepOutput` with the forward's
-        outputs too (step_output.py).
+        outputs too (step_output.py), `metrics=True` one with the step's `StepMetrics`
+        (metrics.py; every step is measured once `pmodel.metrics.log_to(...)` is called).
         """
+        if not (metrics or self.metrics.wanted):
+            return self._train_step(batch, reduce, outputs)
+        with self.metrics.measure(batch) as measured:
+            result = self._train_step(batch, reduce, outputs, measured)
+        if not (outputs or metrics):
+            return result
+        out = result if outputs else StepOutput(result)
+        out.metrics = measured.metrics
+        return out
+
+    def _train_step(self, batch: Any, reduce: str, outputs: bool, measured: Any = None) -> torch.Tensor | StepOutput:
         check_reduce(reduce, outputs, self.pipeline is not None, self.context_parallel is not None)
         if reduce == "tokens" and not self.gradients.sync_enabled:
             raise ConfigError("train_step(reduce='tokens') inside no_sync(): the token total that weights the "
@@ -178,6 +193,8 @@ class ParallelModule(nn.Module):
             self.after_sync()
         if tokens is not None:
             mean, tokens = tokens[0] / tokens[1], int(tokens[1])
+        if measured is not None:
+            measured.loss, measured.samples, measured.total_samples = mean.detach(), step.samples, step.total_samples
         return StepOutput(mean, concatenated(kept), tokens) if outputs else mean
 
     @contextlib.contextmanager

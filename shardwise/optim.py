@@ -59,7 +59,7 @@ class ParallelOptimizer:
         pmodel = self._pmodel
         pending = pmodel.gradients.pending
         communicates = pending or pmodel.config.zero > 0 or self.loss_scaler is not None
-        with pmodel.collective("optimizer.step", communicates=communicates) as ready:
+        with pmodel.metrics.optimizer_step(), pmodel.collective("optimizer.step", communicates=communicates) as ready:
             if pending:
                 ready()
                 pmodel.gradients.finish()
@@ -95,6 +95,7 @@ class ParallelOptimizer:
             if self._unscale(ready):  # inf/NaN: the step will be skipped; the norm says so, as torch's does
                 return torch.tensor(float("inf"), device=pmodel.topology.device)
             total = pmodel.optimizer_params.gradient_norm(norm_type, before_collectives=ready)
+            pmodel.metrics.grad_norm(total)
             coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
             for grad in self._pmodel.optimizer_params.grads():
                 grad.mul_(coefficient.to(grad.dtype))

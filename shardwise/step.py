@@ -44,6 +44,8 @@ class StepBatch(NamedTuple):
     microbatches: list[Any]
     replica_weight: float
     loss_weights: list[float] | None
+    samples: int = 0  # this replica's
+    total_samples: int = 0  # every replica's
 
 
 def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, check: bool) -> StepBatch:
@@ -68,7 +70,7 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
     if topology.world_size == 1:
         if problem is not None:
             raise problem
-        return StepBatch(batch, microbatches, 1.0, loss_weights)
+        return StepBatch(batch, microbatches, 1.0, loss_weights, samples, samples)
     replicas = topology.size("dp")
     if check:
         lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
@@ -88,7 +90,7 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
             pmodel.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
             total = int(counted.item())
     return StepBatch(batch, microbatches, samples * replicas / total,  # exactly 1.0 when replicas are equal
-                     loss_weights)
+                     loss_weights, samples, total)
 
 
 def check_forward(pmodel: "ParallelModule", args: tuple, kwargs: dict) -> None:

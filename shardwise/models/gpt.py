@@ -124,3 +124,9 @@ class GPT(nn.Module):
             input_ids, labels = batch[:, :-1], batch[:, 1:]
         logits = self.logits(input_ids, positions)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    @staticmethod
+    def count_tokens(batch: Any) -> int:
+        """The tokens `forward` reads from `batch` (a tensor batch's last column is labels only;
+        step metrics use this, metrics.py)."""
+        return batch["input_ids"].numel() if isinstance(batch, Mapping) else batch[:, :-1].numel()

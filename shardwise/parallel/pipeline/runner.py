@@ -21,6 +21,7 @@ stage machinery and stay on torch's executor (`stages.py`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,14 +95,17 @@ class OrderRunner:
             if not step.forward:
                 self.last_backward[step.stage] = position
 
-    def _receive(self, metas: list[Meta], src: int) -> list[torch.Tensor]:
+    def _receive(self, metas: list[Meta], src: int, stats: Any = None) -> list[torch.Tensor]:
         tensors, works = [], []
         for shape, dtype, _ in metas:
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             works.append(dist.irecv(buffer, src=src, group=self.group))
             tensors.append(buffer)
+        start = time.perf_counter()
         for work in works:
             work.wait()
+        if stats is not None:
+            stats.waiting_s = (stats.waiting_s or 0.0) + time.perf_counter() - start
         return tensors
 
     def _send(self, tensors: list[torch.Tensor], dst: int, pending: list) -> None:
@@ -128,7 +132,7 @@ class OrderRunner:
             if step.forward:
                 inputs: list[torch.Tensor] = []
                 if step.stage > 0:
-                    inputs = self._receive(stage.receives, self.owner(step.stage - 1))
+                    inputs = self._receive(stage.receives, self.owner(step.stage - 1), stats)
                     inputs = [t.requires_grad_(meta[2] and training) for t, meta in zip(inputs, stage.receives)]
                 out = stage.module(*inputs, batch=microbatches[step.microbatch])
                 if step.stage == last_stage:
@@ -146,7 +150,7 @@ class OrderRunner:
             produced, inputs = saved.pop(key)
             grads = None
             if step.stage < last_stage:
-                grads = self._receive([meta for meta in stage.sends if meta[2]], self.owner(step.stage + 1))
+                grads = self._receive([meta for meta in stage.sends if meta[2]], self.owner(step.stage + 1), stats)
                 produced = tuple(t for t, meta in zip(produced, stage.sends) if meta[2])
             last = self.last_backward[step.stage] == position
             with backward_context(step.stage, last):

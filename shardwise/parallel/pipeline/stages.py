@@ -65,6 +65,7 @@ class PipelineStats:
 
     alive: dict[int, int] = field(default_factory=dict)
     peak_alive: dict[int, int] = field(default_factory=dict)
+    waiting_s: float | None = None  # time blocked in our executor's receives (metrics.py: the bubble)
 
     def forward_done(self, stage: int) -> None:
         self.alive[stage] = self.alive.get(stage, 0) + 1

@@ -1,0 +1,107 @@
+"""Step metrics are right, not only present: FLOPs are what one process executes (split
+exactly over tp shards and pipeline stages), tokens/s and MFU follow from the step's own
+numbers, time is what the step took, communication is seen where buckets are waited on, and
+the loggers write files their own readers parse."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+import shardwise as sw
+from parity import gpt_batches, make_gpt
+
+PEAK = 1e12  # a stated device peak (CPUs have no table entry)
+LAYOUTS = {"dp2": ({}, None), "tp2": ({"tp": 2}, "gpt"), "pp2": ({"pp": 2, "microbatches": 2}, None)}
+
+
+def _one_process_flops(batch: torch.Tensor) -> float:
+    model = make_gpt(0)
+    with FlopCounterMode(display=False) as counter:
+        model(batch).backward()
+    return float(counter.get_total_flops())
+
+
+def _run(layout: str, logdir: str):
+    overrides, plan = LAYOUTS[layout]
+    batches = gpt_batches(3, 4)
+    rank = dist.get_rank()
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**overrides), plan=plan,
+                        sample=batches[0] if overrides.get("pp") else None)
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    pm.metrics.peak_flops = PEAK
+    if layout == "dp2":
+        pm.metrics.log_to(sw.JsonlLogger(Path(logdir) / "metrics.jsonl"))
+        pm.metrics.log_to(sw.TensorBoardLogger(Path(logdir) / "tb"), every=2)
+    records = []
+    for batch in batches:
+        mine = batch[rank * 2:(rank + 1) * 2] if layout == "dp2" else batch
+        start = time.perf_counter()
+        out = pm.train_step(mine, metrics=True)
+        wall = time.perf_counter() - start
+        norm = opt.clip_grad_norm(1.0)
+        start = time.perf_counter()
+        opt.step()
+        optimizer_wall = time.perf_counter() - start
+        opt.zero_grad()
+        record = out.metrics.as_dict()
+        record.update(wall=wall, optimizer_wall=optimizer_wall, clip_norm=float(norm), out_loss=float(out.loss),
+                      rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        records.append(record)
+    pm.metrics.close()
+    return records
+
+
+def test_metrics_are_right(tmp_path):
+    whole = _one_process_flops(gpt_batches(3, 4)[0])
+    cfg = make_gpt(0).cfg  # 6 N per token, N the matmul weights (the model's own count: 6*N*tokens)
+    matmul_params = cfg.n_layer * 12 * cfg.d_model ** 2 + cfg.vocab_size * cfg.d_model
+    tokens = 4 * 16
+    # CPU attention kernels are not in torch's FLOP table, biases and norms are cheap: 6*N*tokens within 3%
+    assert abs(whole - 6 * matmul_params * tokens) <= 0.03 * whole
+    by_layout = {}
+    for layout in LAYOUTS:
+        results = by_layout[layout] = sw.testing.run_on_ranks(_run, 2, layout, str(tmp_path))
+        for rank, records in enumerate(results):
+            for r in records:
+                assert r["tokens"] == (32 if layout == "dp2" else 64) and r["global_tokens"] == 64
+                assert 0 < r["train_step_s"] <= r["wall"] and 0 < r["optimizer_s"] <= r["optimizer_wall"]
+                assert math.isclose(r["step_s"], r["train_step_s"] + r["optimizer_s"])
+                assert math.isclose(r["tokens_per_s"], r["tokens"] / r["ranks_per_replica"] / r["step_s"])
+                assert math.isclose(r["global_tokens_per_s"], 64 / r["step_s"])
+                if r["step"] == 1:  # its shape's first step: one-time work (a pipeline's capture)
+                    assert r["flops"] is None and r["mfu"] is None
+                else:
+                    assert math.isclose(r["mfu"], r["flops"] / (r["step_s"] * PEAK))
+                assert r["loss"] == r["out_loss"] and r["grad_norm"] == r["clip_norm"]
+                assert 0 < r["peak_memory_bytes"] <= r["rss"]
+                assert r["communication_s"] >= 0 and r["compute_s"] >= 0
+            flops = [r["flops"] for r in records[1:]]
+            assert len(set(flops)) == 1, "counted once per batch shape"
+            if layout == "dp2":
+                assert all(r["communication_s"] > 0 for r in records), "gradient buckets are waited on"
+                assert flops[0] == _one_process_flops(gpt_batches(3, 4)[0][:2])  # the replica's half batch
+            if layout == "pp2":
+                assert all(r["bubble_s"] is not None and r["bubble_s"] >= 0 for r in records)
+        if layout != "dp2":  # shards and stages split one process's FLOPs exactly
+            assert results[0][1]["flops"] + results[1][1]["flops"] == whole, layout
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3], "rank 0 only, every step"
+    assert [line["loss"] for line in lines] == [r["out_loss"] for r in by_layout["dp2"][0]]
+    assert [line["flops"] for line in lines] == [r["flops"] for r in by_layout["dp2"][0]]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [2]
+    assert math.isclose(losses[0].value, lines[1]["loss"], rel_tol=1e-6)
+    assert [e.step for e in events.Scalars("train/mfu")] == [2]
