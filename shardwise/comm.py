@@ -7,6 +7,7 @@ backend message. `CommStats` counts what the executors send, for summaries and b
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -20,6 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import CommunicationError
 from .tensors import op_name
 
+
+
+def trace_range(name: str) -> contextlib.AbstractContextManager:
+    """A range named "shardwise/<name>" in torch.profiler's traces (a Chrome / Perfetto trace
+    reads as the step's schedule); nothing inside compiled code."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"shardwise/{name}")
 
 
 def describe_group(group: dist.ProcessGroup) -> str:

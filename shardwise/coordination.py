@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .comm import trace_range
 from .compat import all_gather_single
 from .control_sum import RecursiveDoublingSum, doubling_steps
 from .errors import CommunicationError, ShardwiseError
@@ -244,7 +245,8 @@ class Coordinator:
             return
         start = time.perf_counter()
         try:
-            self._wait(work, what, group, deadline_s)
+            with trace_range(f"wait: {what}"):
+                self._wait(work, what, group, deadline_s)
         finally:
             self.waited_s += time.perf_counter() - start
 

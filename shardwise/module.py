@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from . import report, state
 from .batch import map_tensors, to_device
+from .comm import trace_range
 from .compiling import compile_blocks
 from .errors import ConfigError, ModelError
 from .groups import running
@@ -152,8 +153,9 @@ class ParallelModule(nn.Module):
         (metrics.py; every step is measured once `pmodel.metrics.log_to(...)` is called).
         """
         if not (metrics or self.metrics.wanted):
-            return self._train_step(batch, reduce, outputs)
-        with self.metrics.measure(batch) as measured:
+            with trace_range("train_step"):
+                return self._train_step(batch, reduce, outputs)
+        with self.metrics.measure(batch) as measured, trace_range("train_step"):
             result = self._train_step(batch, reduce, outputs, measured)
         if not (outputs or metrics):
             return result

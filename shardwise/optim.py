@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .comm import trace_range
 from .errors import ConfigError, ShardwiseError
 from .loss_scale import LossScaler
 from .module import ParallelModule
@@ -59,7 +60,8 @@ class ParallelOptimizer:
         pmodel = self._pmodel
         pending = pmodel.gradients.pending
         communicates = pending or pmodel.config.zero > 0 or self.loss_scaler is not None
-        with pmodel.metrics.optimizer_step(), pmodel.collective("optimizer.step", communicates=communicates) as ready:
+        with pmodel.metrics.optimizer_step(), trace_range("optimizer.step"), \
+                pmodel.collective("optimizer.step", communicates=communicates) as ready:
             if pending:
                 ready()
                 pmodel.gradients.finish()

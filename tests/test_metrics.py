@@ -119,3 +119,32 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     for text in (b"global_tokens_per_s", b"12345.5", b"loss", b"1.625"):
         assert text in data, text
     assert b"mfu" not in data
+
+
+def _traced_step(path: str):
+    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=2), sample=gpt_batches(1, 4)[0])
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    batch = gpt_batches(1, 4)[0][pm.topology.dp_rank * 2:(pm.topology.dp_rank + 1) * 2]
+    pm.train_step(batch)
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pm.train_step(batch)
+        opt.step()
+    out = f"{path}/trace-{dist.get_rank()}.json"
+    prof.export_chrome_trace(out)
+    return out
+
+
+def test_a_chrome_trace_reads_as_the_schedule(tmp_path):
+    """torch.profiler's trace of a pp2 x dp2 step names shardwise's phases: the step, each
+    stage action and receive, the gradient buckets' launches and waits, the agreement."""
+    for rank, path in enumerate(sw.testing.run_on_ranks(_traced_step, 4, str(tmp_path))):
+        names = {e.get("name", "") for e in json.loads(Path(path).read_text())["traceEvents"]}
+        ours = {n for n in names if n.startswith("shardwise/")}
+        stage = rank // 2
+        expected = {"shardwise/train_step", "shardwise/optimizer.step",
+                    f"shardwise/pp forward stage {stage} microbatch 0", f"shardwise/pp backward stage {stage} microbatch 1",
+                    "shardwise/launch all-reduce of gradient bucket 0"}
+        expected.add(f"shardwise/pp receive from rank {rank + 2 if stage == 0 else rank - 2}")
+        assert expected <= ours, sorted(ours)
+        assert any(n.startswith("shardwise/wait: all-reduce of gradient bucket") for n in ours), sorted(ours)

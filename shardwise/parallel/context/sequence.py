@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ...batch import leaves, map_tensors, split_batch
 from ...errors import BatchError, ModelError
 from ...tensors import op_name
+from ...comm import trace_range
 from ..collectives import all_gather_along, reduce_scatter_along
 
 IGNORE_INDEX = -100  # labels equal to it count no token (torch's and Hugging Face's default)
@@ -163,7 +164,7 @@ class _WholeSequenceAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, attn_mask)
         ctx.options = options
         dim = key.dim() - 2
-        with torch.no_grad():
+        with torch.no_grad(), trace_range("cp all-gather of keys and values"):
             keys, values = (all_gather_along(t, options.group, dim) for t in (key, value))
             return options.attend(query, keys, values, attn_mask)
 
@@ -171,7 +172,8 @@ class _WholeSequenceAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, attn_mask = ctx.saved_tensors
         options, dim = ctx.options, key.dim() - 2
-        keys, values = (all_gather_along(t.detach(), options.group, dim) for t in (key, value))
+        with trace_range("cp all-gather of keys and values (backward)"):
+            keys, values = (all_gather_along(t.detach(), options.group, dim) for t in (key, value))
         _, attention_backward = torch.func.vjp(lambda q, k, v: options.attend(q, k, v, attn_mask), query.detach(), keys, values)
         dq, dk, dv = attention_backward(grad)
         # each key's gradient sums every rank's queries: reduce-scatter back to the keys' owners

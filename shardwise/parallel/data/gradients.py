@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...comm import CommStats, broadcast_tensors, coalesce, wait
+from ...comm import CommStats, broadcast_tensors, coalesce, trace_range, wait
 from ...compat import all_gather_single, reduce_scatter_single
 from ...config import ParallelConfig
 from ...errors import ShardwiseError
@@ -200,6 +200,10 @@ class GradientBuckets:
         self.summary.loss = loss.detach().reshape(()).float()
 
     def _launch(self, bucket: Bucket) -> None:
+        with trace_range(f"launch {'reduce-scatter' if bucket.sharded else 'all-reduce'} of gradient bucket {bucket.index}"):
+            self._launch_bucket(bucket)
+
+    def _launch_bucket(self, bucket: Bucket) -> None:
         bucket.allocate()
         if bucket.pending:  # parameters no hook reported in this backward
             for i, param in enumerate(bucket.params):

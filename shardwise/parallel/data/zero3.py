@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ...comm import wait
+from ...comm import trace_range, wait
 from ...compat import all_gather_single
 from ...tensors import tensor_leaves
 from .buckets import Bucket
@@ -77,8 +77,9 @@ class ParameterShards:
             buffer = bucket.param_buffer
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
             self.stats.record("all_gather", buffer)
-            self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
-                                                        async_op=True)
+            with trace_range(f"launch all-gather of parameter bucket {bucket.index}"):
+                self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
+                                                            async_op=True)
         if wait_now and id(bucket) in self._works:
             wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
                  self.gradients.coordinator)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...comm import trace_range
 from ...tensors import tensor_leaves
 
 Meta = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
@@ -102,16 +103,18 @@ class OrderRunner:
             works.append(dist.irecv(buffer, src=src, group=self.group))
             tensors.append(buffer)
         start = time.perf_counter()
-        for work in works:
-            work.wait()
+        with trace_range(f"pp receive from rank {src}"):
+            for work in works:
+                work.wait()
         if stats is not None:
             stats.waiting_s = (stats.waiting_s or 0.0) + time.perf_counter() - start
         return tensors
 
     def _send(self, tensors: list[torch.Tensor], dst: int, pending: list) -> None:
-        for tensor in tensors:
-            tensor = tensor.detach().contiguous()
-            pending.append((tensor, dist.isend(tensor, dst=dst, group=self.group)))
+        with trace_range(f"pp send to rank {dst}"):
+            for tensor in tensors:
+                tensor = tensor.detach().contiguous()
+                pending.append((tensor, dist.isend(tensor, dst=dst, group=self.group)))
 
     def run(self, microbatches: list[Any], loss: Callable[[int, Any], torch.Tensor] | None,
             backward_context: Callable[[int, bool], Any], stage_done: Callable[[int], None], stats: Any = None
@@ -134,7 +137,8 @@ class OrderRunner:
                 if step.stage > 0:
                     inputs = self._receive(stage.receives, self.owner(step.stage - 1), stats)
                     inputs = [t.requires_grad_(meta[2] and training) for t, meta in zip(inputs, stage.receives)]
-                out = stage.module(*inputs, batch=microbatches[step.microbatch])
+                with trace_range(f"pp forward stage {step.stage} microbatch {step.microbatch}"):
+                    out = stage.module(*inputs, batch=microbatches[step.microbatch])
                 if step.stage == last_stage:
                     if training:
                         saved[key] = ((loss(step.microbatch, out),), inputs)
@@ -153,7 +157,8 @@ class OrderRunner:
                 grads = self._receive([meta for meta in stage.sends if meta[2]], self.owner(step.stage + 1), stats)
                 produced = tuple(t for t, meta in zip(produced, stage.sends) if meta[2])
             last = self.last_backward[step.stage] == position
-            with backward_context(step.stage, last):
+            with backward_context(step.stage, last), \
+                    trace_range(f"pp backward stage {step.stage} microbatch {step.microbatch}"):
                 torch.autograd.backward(produced, grads)
             if stats is not None:
                 stats.backward_done(step.stage)
