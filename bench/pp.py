@@ -1,6 +1,7 @@
 """Pipeline schedules: measured bubble fraction and live activations, beside the theory.
 
     python bench/pp.py [--ms 4] [--blocks 8] [--pp 2 4] [--microbatches 4 8] [--schedules ...]
+    python bench/pp.py --timeline docs/pp4_interleaved_step.svg [--trace-dir DIR]   # the picture
 
 The model is a stack of blocks whose compute is emulated by fixed sleeps: forward, input
 gradient and weight gradient each take --ms milliseconds per block, on separate autograd
@@ -213,6 +214,18 @@ def _bench(args):
     return rows
 
 
+def _timeline(args) -> str | None:
+    """One interleaved-1F1B step (pp = the world, m=8) drawn by pmodel.timeline."""
+    m = 8
+    batch = {"x": torch.randn(2 * m, 16, generator=torch.Generator().manual_seed(m))}
+    pm = sw.parallelize(Stack(args.blocks, 16, args.ms),
+                        sw.ParallelConfig(pp=dist.get_world_size(), microbatches=m, schedule="interleaved-1f1b"),
+                        sample=batch)
+    pm.train_step(batch)  # the first step captures the stages
+    out = pm.timeline(batch, args.timeline, trace_dir=args.trace_dir)
+    return None if out is None else str(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", type=float, default=4.0, help="milliseconds per block for each of F, B-input, B-weight")
@@ -221,7 +234,12 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    parser.add_argument("--timeline", help="only draw one pp=4 m=8 interleaved-1F1B step to this .svg (pmodel.timeline)")
+    parser.add_argument("--trace-dir", help="with --timeline: each rank's Chrome trace (Perfetto) there too")
     args = parser.parse_args()
+    if args.timeline:
+        print(sw.testing.run_on_ranks(_timeline, 4, args, timeout=600)[0])
+        return
     print(f"pipeline schedules: {args.blocks} blocks, {args.ms} ms per block for forward, input-grad and weight-grad; "
           "bubble = 1 - (one process's time / p) / step time, mean over ranks (best of steps)")
     print(f"{'schedule':<18} {'p':>2} {'m':>2} {'v':>2} {'bubble':>7} {'torch':>7} {'theory':>7}   "

@@ -130,7 +130,8 @@ def activation_memory(pmodel, batch: Any, fake: bool = False) -> ActivationMemor
                           "not yet checked against the real one; measure with fake=False")
     # the op names fake= too: ranks measuring differently disagree before any stage communicates
     op = "activation_memory(fake=True)" if fake else "activation_memory"
-    batch, microbatches, _, _ = pmodel.agree_on_batch(op, batch, parts, check=True)
+    step = pmodel.agree_on_batch(op, batch, parts, check=True)
+    batch, microbatches = step.batch, step.microbatches
     if fake and pmodel.pipeline is not None:
         pmodel.pipeline.compiled(microbatches[0])  # a new shape is captured and its stages' boundaries found for real
     module = pmodel.module

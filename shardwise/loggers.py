@@ -1,9 +1,12 @@
 """Where step metrics go: JSON lines, TensorBoard, Weights & Biases.
 
-`pmodel.metrics.log_to(logger, every=N, ranks=(0,))` hands every N-th step's numbers
-(`StepMetrics.as_dict()`) to `logger.log(values, step)`; any object with `log` and `close`
-is a logger. TensorBoard and W&B are imported when their logger is made, so neither is a
-dependency of shardwise (`pip install tensorboard` / `wandb`).
+`pmodel.metrics.log_to(logger, every=N, ranks=(0,))` opens the logger on the ranks that log
+(`logger.open()`, agreed: a file one rank cannot create is the same error on every rank) and
+hands every N-th step's numbers (`StepMetrics.as_dict()`) to `logger.log(values, step)`; any
+object with `log` and `close` (and optionally `open`) is a logger. Constructing one opens
+nothing, so ranks that do not log leave no files. TensorBoard and W&B are imported when
+their logger opens, so neither is a dependency of shardwise (`pip install tensorboard` /
+`wandb`).
 
 `ConsoleLogger` prints a line a step. `get_logger` is Python logging for shardwise's own
 messages, each record with the rank that wrote it.
@@ -23,6 +26,8 @@ from .errors import ConfigError
 
 
 class MetricsLogger(Protocol):
+    def open(self) -> None: ...
+
     def log(self, values: dict[str, Any], step: int) -> None: ...
 
     def close(self) -> None: ...
@@ -40,6 +45,9 @@ class JsonlLogger:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._file: Any = None
+
+    def open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -53,19 +61,27 @@ class JsonlLogger:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class TensorBoardLogger:
     """Scalars under `prefix/` (default "train/") in a TensorBoard event file in `logdir`."""
 
     def __init__(self, logdir: str | os.PathLike, prefix: str = "train"):
+        self.logdir, self.prefix = Path(logdir), prefix.rstrip("/")
+        self._writer: Any = None
+
+    def open(self) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ConfigError("TensorBoardLogger needs the tensorboard package: pip install tensorboard") from exc
-        self.prefix = prefix.rstrip("/")
-        self._writer = SummaryWriter(log_dir=str(logdir))
+        try:
+            self._writer = SummaryWriter(log_dir=str(self.logdir))
+        except OSError as exc:
+            raise ConfigError(f"TensorBoardLogger cannot write to {str(self.logdir)!r}: {exc.strerror or exc}; "
+                              "give a writable directory") from exc
 
     def log(self, values: dict[str, Any], step: int) -> None:
         for name, value in _numbers(values).items():
@@ -74,24 +90,30 @@ class TensorBoardLogger:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbLogger:
     """A Weights & Biases run (`wandb.init(**init)`, e.g. project=..., mode="offline")."""
 
     def __init__(self, **init: Any):
+        self.init = init
+        self._run: Any = None
+
+    def open(self) -> None:
         try:
             import wandb
         except ImportError as exc:
             raise ConfigError("WandbLogger needs the wandb package: pip install wandb") from exc
-        self._run = wandb.init(**init)
+        self._run = wandb.init(**self.init)
 
     def log(self, values: dict[str, Any], step: int) -> None:
         self._run.log({k: v for k, v in _numbers(values).items() if k != "step"}, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
 
 
 class ConsoleLogger:
@@ -99,6 +121,9 @@ class ConsoleLogger:
 
     def __init__(self, stream: Any = None):
         self.stream = stream
+
+    def open(self) -> None:
+        pass
 
     def log(self, values: dict[str, Any], step: int) -> None:
         def fmt(name: str, spec: str, scale: float = 1.0, unit: str = "") -> str | None:

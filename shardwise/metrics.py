@@ -161,9 +161,33 @@ class MetricsRecorder:
 
     def log_to(self, logger: "MetricsLogger", every: int = 1, ranks: Sequence[int] | None = (0,)) -> None:
         """Measure every step from now on and give every `every`-th to `logger` on `ranks`
-        (global ranks; None: every rank)."""
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f"log_to(every={every!r}): a positive whole number of steps")
+        (global ranks; None: every rank), which open it here. Collective: a logger that cannot
+        open on one rank is the same error on every rank, and nothing changes."""
+        problem, logging_here = None, False
+        try:
+            if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+                raise ConfigError(f"log_to(every={every!r}): a positive whole number of steps")
+            if ranks is not None and (isinstance(ranks, (str, bytes)) or not all(
+                    isinstance(r, int) and 0 <= r < self.pmodel.topology.world_size for r in ranks)):
+                raise ConfigError(f"log_to(ranks={ranks!r}): global ranks below the world size "
+                                  f"{self.pmodel.topology.world_size}, or None for every rank")
+            logging_here = ranks is None or self.pmodel.topology.rank in ranks
+            if logging_here and callable(getattr(logger, "open", None)):
+                logger.open()
+        except ConfigError as exc:
+            problem = exc
+        except Exception as exc:  # a user's logger: its own failure, named
+            problem = ConfigError(f"log_to: {type(logger).__name__}.open() raised {type(exc).__name__}: {exc}")
+            problem.__cause__ = exc
+        try:
+            if self.pmodel.topology.world_size > 1:
+                self.pmodel.coordinator.agree("metrics.log_to", problem)
+            elif problem is not None:
+                raise problem
+        except ConfigError:
+            if logging_here and problem is None:  # opened here, refused elsewhere
+                logger.close()
+            raise
         self._sinks.append(_Sink(logger, every, None if ranks is None else list(ranks)))
 
     @property

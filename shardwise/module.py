@@ -218,6 +218,13 @@ class ParallelModule(nn.Module):
         compiling.py); returns their paths."""
         return compile_blocks(self.module, self.tensor_parallel, self.recomputed, *args, **kwargs)
 
+    def timeline(self, batch: Any, path: str, trace_dir: str | None = None) -> Any:
+        """Run one train_step on `batch` and draw every rank's lane, measured and (under our
+        pipeline executor) from theory, as an SVG at `path` on rank 0 (timeline.py)."""
+        from .timeline import timeline
+
+        return timeline(self, batch, path, trace_dir)
+
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
         """The module's outputs for `batch`, without gradients, on every rank; sharded outputs

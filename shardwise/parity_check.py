@@ -31,6 +31,7 @@ from .batch import batch_size, loss_of, split_batch
 from .config import ParallelConfig
 from .errors import ConfigError
 from .tensors import tensor_leaves, whole
+from .progress import progress
 
 FLOAT_TOLERANCE = 1e-2
 HALF_TOLERANCE = 5e-2
@@ -125,7 +126,7 @@ def _one_process(model, batches: list, lr: float, seed: int):
     initial = {k: v.detach().double().clone() for k, v in module.state_dict().items()}
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     losses, grads = [], None
-    for batch in batches:
+    for batch in progress(batches, "check: one process", unit="step"):
         loss = loss_of(module(batch))
         loss.backward()
         if grads is None:
@@ -147,7 +148,7 @@ def _in_layout(model, batches: list, config: ParallelConfig, plan: Any, lr: floa
     opt = build_optimizer(pm, torch.optim.SGD, lr=lr)
     index, count = data_parallel_info(pm)
     losses, grads = [], None
-    for batch in batches:
+    for batch in progress(batches, f"check: {dist.get_world_size()} ranks", unit="step"):
         losses.append(float(pm.train_step(split_batch(batch, count)[index])))
         if grads is None:
             grads = {k: _whole(v) for k, v in pm.full_grad_dict().items()}

@@ -821,7 +821,38 @@ PIPELINES = {  # 2 ranks, pp=2: layouts refused before any rank communicates
 }
 
 
+class _LoggerFailingOnRank1:
+    def open(self):
+        if _rank() == 1:
+            raise PermissionError("no write access to the run directory")
+
+    def log(self, values, step):
+        pass
+
+    def close(self):
+        pass
+
+
+def _log_to_then_train(logger, **kwargs):
+    """A log_to refused everywhere leaves the module training."""
+    pm = sw.parallelize(Tuple())
+    try:
+        pm.metrics.log_to(logger, **kwargs)
+    except sw.ConfigError as exc:
+        float(pm.train_step(torch.ones(2, 4)))
+        raise sw.ConfigError(f"{exc} (and a step trained after it)") from exc
+    return "logging"
+
+
 RANKS2 = {
+    "a metrics file rank 0 cannot create": Case(lambda: _log_to_then_train(sw.JsonlLogger("/proc/no/such/m.jsonl")),
+                                                "ConfigError", "JsonlLogger cannot open '/proc/no/such/m.jsonl'"),
+    "a metrics logger failing on rank 1 only": Case(lambda: _log_to_then_train(_LoggerFailingOnRank1(), ranks=None),
+                                                    "ConfigError", "_LoggerFailingOnRank1.open() raised PermissionError"),
+    "log_to every=0": Case(lambda: _log_to_then_train(sw.ConsoleLogger(), every=0), "ConfigError",
+                           "log_to(every=0): a positive whole number"),
+    "log_to ranks naming a rank beyond the world": Case(lambda: _log_to_then_train(sw.ConsoleLogger(), ranks=[2]),
+                                                        "ConfigError", "global ranks below the world size 2"),
     **{f"plan: {k}": v for k, v in TP_PLANS.items()},
     **{f"pipeline: {k}": v for k, v in PIPELINES.items()},
     **{f"model mismatch: {k}": Case(lambda k=k: _mismatched_model(k), "ModelError", phrase) for k, phrase in {

@@ -112,6 +112,7 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     `wandb sync` uploads it): the logged keys and values must be in it, None left out."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = sw.WandbLogger(mode="offline", project="shardwise-test", dir=str(tmp_path))
+    logger.open()
     logger.log({"step": 7, "loss": 1.625, "global_tokens_per_s": 12345.5, "mfu": None}, 7)
     logger.close()
     (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
@@ -148,3 +149,40 @@ def test_a_chrome_trace_reads_as_the_schedule(tmp_path):
         expected.add(f"shardwise/pp receive from rank {rank + 2 if stage == 0 else rank - 2}")
         assert expected <= ours, sorted(ours)
         assert any(n.startswith("shardwise/wait: all-reduce of gradient bucket") for n in ours), sorted(ours)
+
+
+def test_theoretical_schedule_places_1f1b_by_hand():
+    """pp=2, m=2, 1F1B, forward 1 and backward 2 units: worked by hand, a 9-unit step (6 of
+    work per rank, a bubble of (p-1)(F+B) = 3)."""
+    from shardwise.parallel.pipeline.runner import single_stage_steps
+    from shardwise.timeline import theoretical
+
+    placed = theoretical({r: single_stage_steps("1f1b", r, 2, 2) for r in range(2)})
+    assert placed[0] == [("pp forward stage 0 microbatch 0", 0, 1), ("pp forward stage 0 microbatch 1", 1, 2),
+                         ("pp backward stage 0 microbatch 0", 4, 6), ("pp backward stage 0 microbatch 1", 7, 9)]
+    assert placed[1] == [("pp forward stage 1 microbatch 0", 1, 2), ("pp backward stage 1 microbatch 0", 2, 4),
+                         ("pp forward stage 1 microbatch 1", 4, 5), ("pp backward stage 1 microbatch 1", 5, 7)]
+
+
+def _drawn(path: str):
+    batches = gpt_batches(2, 4)
+    pm = sw.parallelize(make_gpt(0, n_layer=4), sw.ParallelConfig(pp=2, microbatches=2), sample=batches[0])
+    pm.train_step(batches[0])
+    out = pm.timeline(batches[1], path)
+    return None if out is None else str(out)
+
+
+def test_timeline_draws_every_rank_measured_and_in_theory(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    path = tmp_path / "step.svg"
+    assert sw.testing.run_on_ranks(_drawn, 2, str(path)) == [str(path), None]
+    titles = [t.text for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}title")]
+    for stage in (0, 1):
+        for microbatch in (0, 1):
+            for kind in ("forward", "backward"):
+                name = f"pp {kind} stage {stage} microbatch {microbatch}"
+                measured = [t for t in titles if t.startswith(name) and t.endswith(" ms)")]
+                ideal = [t for t in titles if t.startswith(name) and t.endswith(" units)")]
+                assert len(measured) == 1 and len(ideal) == 1, (name, titles)
+    assert any(t.startswith("pp receive from rank") for t in titles)

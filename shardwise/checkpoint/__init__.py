@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
+from ..progress import progress
 from ..state import check_state_dict
 from ..tensors import local
 from .regions import _buffers, _group_names, _part, _pieces, _regions
@@ -298,7 +299,7 @@ def merge_checkpoint(path: str | Path, out: str | Path, optimizer: bool = False)
 def _merged_state(reader: Reader) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a validated checkpoint, float32 masters preferred."""
     meta, state = reader.meta, {}
-    for key in meta["state_keys"]:
+    for key in progress(meta["state_keys"], "merging tensors", unit="tensor"):
         canonical = meta["aliases"].get(key, key)
         source = next((f"{kind}/{canonical}" for kind in ("master", "model", "buffer")
                        if f"{kind}/{canonical}" in reader.keys), None)

@@ -41,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..progress import progress
 from ..tensors import crc32
 from .geometry import Rect, intersect, rect_shape, shift
 
@@ -246,7 +247,8 @@ class Reader:
 
     def validate(self, ranks) -> None:
         """Read the given ranks' files whole and check every chunk against its checksum."""
-        for rank in ranks:
+        ranks = list(ranks)
+        for rank in progress(ranks, "checking checkpoint files", unit="file"):
             where = f"checkpoint file rank-{rank}.safetensors in {str(self.version)!r}"
             items = [(key, name, crc) for key, entries in self.ranks[rank]["index"].items() for name, _, crc in entries]
             items += [(name, name, crc) for name, crc in self.ranks[rank]["raw"].items()]

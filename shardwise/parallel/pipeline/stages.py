@@ -406,6 +406,12 @@ class Pipeline:
         dist.broadcast(mean, src=last_owner, group=self.group)
         return mean[0]
 
+    def training_order(self, batch: Any) -> list | None:
+        """This rank's actions (runner.Step) in a training step on `batch`, in order; None
+        where torch's executor runs the schedule (zero-bubble)."""
+        schedule = self._schedule(self.compiled(split_batch(batch, self.microbatches)[0]), training=True)
+        return list(schedule.steps) if isinstance(schedule, OrderRunner) else None
+
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
         """The forward's outputs for `batch`, the microbatches pipelined; on every pipeline rank."""
