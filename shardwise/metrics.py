@@ -24,6 +24,8 @@ step's times those of the device's work, not of its queueing):
   FLOPs); kernels torch's table does not know (CPU's fused attention) are not counted;
 - MFU: FLOPs / (step time x the device's peak), the peak from `peak_flops` or the planner's
   device table for the CUDA device's name; None where neither knows the device;
+- the slowest rank: on steps a logger takes, every rank's step time is all-gathered (one
+  small collective on the control group) and the longest named;
 - peak memory: the CUDA allocator's peak since the step began; on CPU the process's peak
   resident set so far (the operating system keeps no per-step peak).
 """
@@ -67,6 +69,8 @@ class StepMetrics:
     peak_memory_bytes: int | None = None
     grad_norm: Any = None  # clip_grad_norm's result, when it ran (a 0-dim tensor)
     loss_scale: float | None = None
+    slowest_rank: int | None = None  # on logged steps: the rank whose step took longest, and how long
+    slowest_step_s: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -195,8 +199,9 @@ class MetricsRecorder:
         return bool(self._sinks)
 
     def close(self) -> None:
-        """Write the step still open and close the loggers."""
-        self._publish()
+        """Write the step still open (without comparing ranks: close may run on one rank) and
+        close the loggers."""
+        self._publish(compare=False)
         for sink in self._sinks:
             sink.logger.close()
 
@@ -268,14 +273,31 @@ class MetricsRecorder:
         if self._open is not None and self._open.grad_norm is None:
             self._open.grad_norm = norm.detach()
 
-    def _publish(self) -> None:
+    def _publish(self, compare: bool = True) -> None:
         step, self._open = self._open, None
         if step is None:
             return
         rank = self.pmodel.topology.rank
+        logged = any(step.step % sink.every == 0 for sink in self._sinks)  # the same sinks on every rank
+        if compare and logged and self.pmodel.topology.world_size > 1:
+            self._compare_ranks(step)
         for sink in self._sinks:
             if step.step % sink.every == 0 and (sink.ranks is None or rank in sink.ranks):
                 sink.logger.log(step.as_dict(), step.step)
+
+
+    def _compare_ranks(self, step: StepMetrics) -> None:
+        """The slowest rank's step time: one small all-gather on the control group, on logged
+        steps only (every rank publishes a step at the same point: its optimizer step's end)."""
+        from .compat import all_gather_single
+
+        coordinator = self.pmodel.coordinator
+        mine = torch.tensor([step.step_s], dtype=torch.float64)
+        every = torch.empty(coordinator.size, dtype=torch.float64)
+        coordinator.wait(all_gather_single(every, mine, group=coordinator.group, async_op=True),
+                         f"metrics: comparing step {step.step}'s time", coordinator.group)
+        slowest = int(every.argmax())
+        step.slowest_rank, step.slowest_step_s = coordinator.ranks[slowest], float(every[slowest])
 
 
 def _since(now: float | None, before: float | None) -> float | None:

@@ -95,6 +95,9 @@ def test_metrics_are_right(tmp_path):
 
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3], "rank 0 only, every step"
+    for line, mine, theirs in zip(lines, *by_layout["dp2"]):  # the slowest rank's step, as each rank timed it
+        slowest = max((mine, theirs), key=lambda r: r["step_s"])
+        assert line["slowest_rank"] == (mine, theirs).index(slowest) and line["slowest_step_s"] == slowest["step_s"]
     assert [line["loss"] for line in lines] == [r["out_loss"] for r in by_layout["dp2"][0]]
     assert [line["flops"] for line in lines] == [r["flops"] for r in by_layout["dp2"][0]]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
