@@ -63,7 +63,7 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
               "scale_grads", "finish_gradient_sync", "agree", "optimizer.full_state_dict",
               "optimizer.load_full_state_dict", "activation_memory", "activation_memory(fake=True)", "state_dict",
               "train_step(reduce='sum')", "train_step(reduce='tokens')", "load_pretrained",
-              "save_pretrained", "metrics.log_to")
+              "save_pretrained", "metrics.log_to", "timeline")
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
@@ -72,8 +72,6 @@ SUM_SAVES_STEPS = 2  # the sum replaces the all-gather where it saves this many 
 # it costs a hand-off to its thread and back, and at 4 local ranks measured slower than the 3-step ring
 BEACON_EVERY_S = 1.0  # entering an operation republishes the beacon at most this often (a store round trip)
 HASH_BITS = 28
-SUMMARY = ("problems", "value", "op check", "op check'") + tuple(
-    f"fingerprint{i} check{q}" for i in range(FINGERPRINTS) for q in ("", "'"))
 SKIPPED = "collective operations must be called on every rank in the same order:"
 def code(text: str) -> int:
     """A stable 56-bit code for a string (operation names, fingerprints)."""
@@ -355,7 +353,8 @@ class Coordinator:
 
     def _summary(self, op: str, problem: BaseException | None, value: int,
                  fingerprints: Sequence[Fingerprint]) -> torch.Tensor:
-        """This rank's terms of the fast path's sums (`SUMMARY`; the module docstring)."""
+        """This rank's terms of the fast path's sums: problems, value, then two check sums each
+        for the operation and every fingerprint slot (the module docstring)."""
         terms = [1 if problem is not None else 0, int(value), *self._check_terms(code(f"{op}#{self.seq}"), None)]
         for slot in range(FINGERPRINTS):
             terms += self._check_terms(fingerprints[slot].value, fingerprints[slot].peers) \
@@ -483,6 +482,12 @@ class Coordinator:
         except RuntimeError as exc:
             self._leave_step(f"{op}: broadcast failed")
             raise CommunicationError(f"rank {self.rank}: {op}: sharing rank {src}'s error failed: {_short(exc)}") from exc
+
+    def gather_objects(self, obj: Any, op: str) -> list:
+        """Every rank's picklable `obj`, in rank order (a collective of this control group)."""
+        out: list[Any] = [None] * self.size
+        self._gather_object(out, obj, op)
+        return out
 
     def _gather_object(self, out: list, obj: Any, op: str) -> None:
         try:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from .errors import ConfigError
 
@@ -44,7 +43,7 @@ def _kind(name: str) -> str | None:
 
 def record_step(pmodel: "ParallelModule", batch: Any, trace_dir: str | Path | None) -> list[tuple[str, float, float]]:
     """This rank's shardwise ranges of one train_step: (name, start, end) in seconds from the step's start."""
-    dist.barrier(group=pmodel.coordinator.group)
+    pmodel.coordinator.agree("timeline")  # every rank leaves it together: the lanes' common start
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pmodel.train_step(batch)
     if trace_dir is not None:
@@ -135,8 +134,7 @@ def timeline(pmodel: "ParallelModule", batch: Any, path: str | Path, trace_dir: 
         raise ConfigError(f"timeline({str(path)!r}): the picture is an SVG; give a path ending in .svg")
     ranges = record_step(pmodel, batch, trace_dir)
     order = pmodel.pipeline.training_order(batch) if pmodel.pipeline is not None else None
-    gathered: list[Any] = [None] * pmodel.topology.world_size
-    dist.all_gather_object(gathered, (ranges, order), group=pmodel.coordinator.group)
+    gathered = pmodel.coordinator.gather_objects((ranges, order), "timeline")
     if pmodel.topology.rank != 0:
         return None
     measured = {rank: r for rank, (r, _) in enumerate(gathered)}

@@ -167,6 +167,7 @@ class Topology:
         self.timeout = timedelta(seconds=self.config.timeout_s)
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._families: dict[tuple[str, ...], list[list[int]]] = {}  # per-step lookups stay O(1) at any world
+        self._around: dict[tuple, list[int]] = {}  # ranks_at's answers
         per_dim = [self.group(d) for d in MESH_DIMS]
         if self.world_size > 1:  # made now, on every rank alike: steps use it without agreeing first (ZeRO)
             self.group(*MESH_DIMS)
@@ -199,11 +200,11 @@ class Topology:
         """The ranks of the group spanning `dims` around this rank's coordinates, with some
         overridden, e.g. `ranks_at(["dp"], pp=0)`: the dp group of pipeline stage 0 here."""
         at = dict(self.coordinates, **coordinates)
-        key = ("at", *canonical_dims(dims), *(at[d] for d in MESH_DIMS))
-        if key not in self._families:
+        key = (canonical_dims(dims), *(at[d] for d in MESH_DIMS))
+        if key not in self._around:
             rank = int(self.grid[tuple(at[d] for d in MESH_DIMS)])
-            self._families[key] = [next(g for g in self.peer_groups(*dims) if rank in g)]
-        return self._families[key][0]
+            self._around[key] = next(g for g in self.peer_groups(*dims) if rank in g)
+        return self._around[key]
 
     def group(self, *dims: str) -> dist.ProcessGroup:
         """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").

@@ -6,6 +6,7 @@ the loggers write files their own readers parse."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import resource
 import time
@@ -189,3 +190,20 @@ def test_timeline_draws_every_rank_measured_and_in_theory(tmp_path):
                 ideal = [t for t in titles if t.startswith(name) and t.endswith(" units)")]
                 assert len(measured) == 1 and len(ideal) == 1, (name, titles)
     assert any(t.startswith("pp receive from rank") for t in titles)
+
+
+def test_console_logger_and_rank_in_log_records(caplog):
+    import io
+    import logging
+
+    stream = io.StringIO()
+    console = sw.ConsoleLogger(stream)
+    console.open()
+    console.log({"loss": 2.5, "global_tokens_per_s": 1234.4, "mfu": 0.412, "peak_memory_bytes": 2 ** 31,
+                 "step_s": 0.25, "communication_s": None, "grad_norm": 1.0}, 7)
+    assert stream.getvalue() == ("step 7: loss 2.5000, global_tokens_per_s 1,234, mfu 41.2%, "
+                                 "peak_memory_bytes 2.00 GiB, step_s 0.250 s, grad_norm 1.000\n")
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        sw.get_logger("shardwise.test").warning("a message")
+    (record,) = [r for r in caplog.records if r.name == "shardwise.test"]
+    assert record.getMessage() == "a message" and record.rank == os.environ.get("RANK", "-")  # no world here
