@@ -40,7 +40,7 @@ from .parallel.tensor.rules import tensor_parallel_rules
 from .parallel.data.zero import OptimizerParams
 from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
-from .plan.stages import StageLayout, candidate_units, layout_stages
+from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
 from .state import ModelIndex
 from .tensors import local
 from .topology import Topology, init_distributed
@@ -251,9 +251,19 @@ def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int
     return fp32_values
 
 
-def zero3_units(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The modules ZeRO-3 gathers one at a time: the pipeline's candidate units that hold parameters."""
-    return [u for u in candidate_units(module, parts) if any(True for _ in module.get_submodule(u).parameters())]
+def zero3_units(module: nn.Module, parts: list[str] | tuple[str, ...] = ()) -> dict[str, int]:
+    """The modules ZeRO-3 gathers one at a time (the pipeline's candidate units that hold
+    parameters) -> the gather they belong to. The units around the main layer list (embeddings,
+    final norm, head) share one gather when together they hold no more than the largest block:
+    one collective instead of one each, at no more memory than a block's gather."""
+    units = [u for u in candidate_units(module, parts) if any(True for _ in module.get_submodule(u).parameters())]
+    blocks = layer_list(module, parts)
+    inside_blocks = [u for u in units if blocks is not None and u.startswith(blocks + ".")]
+    ends = [u for u in units if u not in inside_blocks]
+    size = {u: sum(p.numel() for p in module.get_submodule(u).parameters()) for u in units}
+    merged = bool(inside_blocks) and sum(size[u] for u in ends) <= max(size[u] for u in inside_blocks)
+    label = {u: i for i, u in enumerate(units)}
+    return {u: (-1 if merged and u in ends else label[u]) for u in units}
 
 
 def _stages_of_rank(layout: StageLayout | None, pp_rank: int) -> dict[str, int] | None:

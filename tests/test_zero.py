@@ -65,6 +65,54 @@ def test_per_rank_bytes_follow_the_zero_formulas(zero):
         assert ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in memory.items()) in summary  # summary reports it
 
 
+def _zero3_gathers(_):
+    model = make_gpt(0, n_layer=4, d_model=128)
+    pm = sw.parallelize(model, sw.ParallelConfig(zero=3))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
+    shards = pm.param_shards
+    buckets = pm.gradients.buckets
+
+    def gathered_bytes() -> int:
+        return sum(b.param_buffer.untyped_storage().nbytes() for b in buckets)
+
+    peak = [0]
+
+    def sample(*_):
+        peak[0] = max(peak[0], gathered_bytes())
+
+    for unit in shards._needed:  # sampled at every unit's forward and backward, inside the step
+        m = pm.module.get_submodule(unit)
+        m.register_forward_hook(sample)
+        m.register_full_backward_hook(sample)
+    batch = gpt_batches(1, 8)[0]
+    index, count = sw.data_parallel_info(pm)
+    calls = []
+    for _ in range(3):
+        pm.gradients.stats.reset()
+        peak[0] = 0
+        pm.train_step(replica_slice(batch, index, count))
+        opt.step()
+        opt.zero_grad()
+        calls.append(pm.gradients.stats.calls["all_gather"])
+    block = max(sum(b.param_buffer.numel() * 4 for b in shards._needed[u]) for u in shards._needed if "layers" in u)
+    ends = [b for b in buckets if all(b in shards._needed[u] for u in ("wte", "wpe", "ln_f"))]
+    return calls, peak[0], block, [b.param_buffer.numel() * 4 for b in ends], gathered_bytes(), len(shards._needed)
+
+
+def test_zero3_gathers_each_block_twice_and_frees_between_steps():
+    """ZeRO-3 on a 4-block GPT: the small units around the blocks (embeddings, final norm and
+    the head tied to the embedding) share one gather; each block is gathered for its forward and
+    again for its backward, except that nothing is freed only to be gathered right back (the
+    last unit's backward follows its forward). Per step: forward ends + 4 blocks + ends (ln_f,
+    lm_head) = 6, backward 4 blocks + ends (embeddings) = 5. Inside the step at most the ends and
+    two blocks (one in use, one prefetched) are whole; after it, none."""
+    for calls, peak, block, ends, after, units in sw.testing.run_on_ranks(_zero3_gathers, 2, None):
+        assert units == 8 and len(ends) == 1, (units, ends)
+        assert calls[1:] == [11, 11], calls  # the first step learns the order (no prefetch yet)
+        assert block < peak <= ends[0] + 2 * block, (peak, ends, block)
+        assert after == 0
+
+
 # -- mixed precision ----------------------------------------------------------------------
 def bf16_emulation(batches, replicas: int) -> Run:
     """One process computing what data-parallel bf16 training promises: each replica's

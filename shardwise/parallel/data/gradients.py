@@ -389,7 +389,7 @@ class StepGradients:
 def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelConfig,
                         partial_over_tp: set[int] | None = None,
                         tied: dict[str, list[int]] | None = None,
-                        units: list[str] | None = None,
+                        units: dict[str, int] | None = None,
                         stages: dict[str, int] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
@@ -402,14 +402,14 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
         partial_over_tp: ids of replicated parameters whose gradients are partial over tp
             (summed over tp in the same collective).
         tied: parameter name -> the pipeline ranks holding it (summed over those ranks).
-        units: ZeRO-3's gather units; `stages`: this rank's module paths -> pipeline stage.
-            A bucket never spans two of either.
+        units: ZeRO-3's gather units -> their gather; `stages`: this rank's module paths ->
+            pipeline stage. A bucket never spans two gathers or two stages.
     Returns:
         The gradient executor, its buckets laid out and hooked to the parameters.
     """
     params = [p for p in module.parameters() if p.requires_grad]
     dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {})
-    unit_of = _owner_labels(module, {path: i for i, path in enumerate(units or [])})
+    unit_of = _owner_labels(module, units or {})
     stage_of = _owner_labels(module, stages or {})
     apart = {id(p): (stage_of.get(id(p)), unit_of.get(id(p))) for p in params}
     bucket_bytes = int(config.bucket_mb * MiB)

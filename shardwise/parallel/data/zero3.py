@@ -5,10 +5,15 @@ stages), so a unit's parameters live in its own flat buffers. Between uses a buf
 only this rank's shard; its full storage is released (resized to zero, so views and tensors
 autograd saved stay valid) and re-filled by an all-gather:
 - forward: before a unit runs (the next unit in forward order is prefetched), released
-  after it (but not after a forward recomputed in backward: its backward comes next);
+  after it unless the next unit needs it too, or its backward comes next (the last unit,
+  and a forward recomputed in backward);
 - backward: when the gradient of a unit's output arrives (the unit before it is
-  prefetched), released when the gradient of its input arrives (its backward is done), or
-  at the end of the synchronization for a unit whose input needs none (an embedding).
+  prefetched), released when the gradient of its input arrives (its backward is done)
+  unless the unit before it needs it too, or at the end of the synchronization for a unit
+  whose input needs none (an embedding).
+The units around the main layer list share one gather when they are small (build.py's
+`zero3_units`): on a GPT that is 11 parameter all-gathers a step instead of 17, and on an
+oversubscribed CPU each costs milliseconds of scheduling latency whatever its size.
 
 A bucket shared by pipeline stages (a tied input embedding and output head) stays whole:
 each stage would gather it at a different point of the schedule. Its gradients are still
@@ -24,7 +29,7 @@ already use keeps one gradient path for every ZeRO stage.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -39,12 +44,13 @@ from .gradients import GradientBuckets
 class ParameterShards:
     """Gathers and frees the parameter buffers of ZeRO-3 around each unit's use."""
 
-    def __init__(self, module: nn.Module, gradients: GradientBuckets, units: list[str]):
+    def __init__(self, module: nn.Module, gradients: GradientBuckets, units: Iterable[str]):
         self.gradients = gradients
         self.stats = gradients.stats
         self._works: dict[int, Any] = {}
         self._gathered: set[int] = set()
         self._order: list[str] = []  # forward order of units, learned on the first forward
+        self._order_known = False  # a unit ran a second time: the whole order was seen
         self._needed: dict[str, list[Bucket]] = {}
         slot = {id(p): b for b in gradients.buckets for p in b.params}
         for bucket in gradients.buckets:
@@ -99,6 +105,14 @@ class ParameterShards:
         i = self._order.index(path) + step
         return self._order[i] if 0 <= i < len(self._order) else None
 
+    def _release_unless_next(self, path: str, step: int) -> None:
+        """Release `path`'s buckets, except those the unit `step` away in forward order uses."""
+        following = self._neighbour(path, step)
+        kept = self._needed.get(following, []) if following else []
+        for bucket in self._needed[path]:
+            if bucket not in kept:
+                self._release(bucket)
+
     # hooks --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
@@ -120,6 +134,8 @@ class ParameterShards:
     def _before_forward(self, path: str, inputs: Any) -> None:
         if path not in self._order:
             self._order.append(path)
+        else:
+            self._order_known = True
         if torch.is_grad_enabled() and not _in_backward():  # its backward is done when its input's gradient arrives
             for tensor in tensor_leaves(inputs):
                 if tensor.requires_grad:
@@ -133,8 +149,9 @@ class ParameterShards:
     def _after_forward(self, path: str, output: Any) -> None:
         if _in_backward():  # recomputed for backward (activation recompute): still needed there
             return
-        for bucket in self._needed[path]:
-            self._release(bucket)
+        last = self._order_known and path == self._order[-1]
+        if not (last and torch.is_grad_enabled()):  # the last unit's backward comes next
+            self._release_unless_next(path, +1)
         if torch.is_grad_enabled():
             tensors = [t for t in tensor_leaves(output) if t.requires_grad]
             if tensors:
@@ -148,8 +165,7 @@ class ParameterShards:
             self._gather(bucket, wait_now=False)  # prefetch
 
     def _after_backward(self, path: str) -> None:
-        for bucket in self._needed[path]:
-            self._release(bucket)
+        self._release_unless_next(path, -1)
 
 
 def _in_backward() -> bool:
