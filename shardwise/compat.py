@@ -11,6 +11,11 @@ otherwise, so the rest of the package is written against one API.
 - `COMPILES_DTENSOR_PARAMETERS`: whether compiled code gives DTensor parameters their gradients
   through `to_local()`. torch 2.11 does not (measured: every gradient of a compiled
   tensor-parallel block zero, silently), so there compiling such a block is refused.
+- `COMPILES_DTENSOR_VIEWS`: whether Dynamo can trace a DTensor parameter whose local tensor
+  lives at an offset in a larger storage (ZeRO's flat parameter buffers under tp). Through
+  2.13 it fails ("Attempted to set the storage of a tensor on device cpu to a storage on
+  different device meta", an InternalTorchDynamoError, reproduced with one Linear's DTensor
+  weight moved into a flat buffer); 2.14 traces it, so tp with ZeRO compiles there.
 """
 
 from __future__ import annotations
@@ -24,5 +29,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
-COMPILES_DTENSOR_PARAMETERS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_RELEASE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+COMPILES_DTENSOR_PARAMETERS = _RELEASE >= (2, 13)
+COMPILES_DTENSOR_VIEWS = _RELEASE >= (2, 14)
 

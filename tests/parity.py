@@ -138,9 +138,11 @@ class Run:
 
 
 def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan=None, deferred: bool = False,
-                   clip: float | None = None, optimizer: str = "sgd", fault: str | None = None) -> Run:
+                   clip: float | None = None, optimizer: str = "sgd", fault: str | None = None,
+                   compile_kwargs: dict | None = None) -> Run:
     """On each rank: parallelize, train with train_step and sw.build_optimizer. `fault`
-    (or SHARDWISE_TEST_FAULT) breaks one mechanism first (tests/faults.py)."""
+    (or SHARDWISE_TEST_FAULT) breaks one mechanism first (tests/faults.py); with
+    `compile_kwargs`, `pmodel.compile(**compile_kwargs)` before the first step."""
     import torch.distributed as dist
 
     import faults
@@ -153,6 +155,8 @@ def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan
     pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan, sample=replica_slice(batches[0], 0, replicas))
     cls, kwargs = optimizer_for(optimizer)
     opt = sw.build_optimizer(pm, cls, **kwargs)
+    if compile_kwargs is not None:
+        pm.compile(**compile_kwargs)
     index, count = sw.data_parallel_info(pm)
     run = Run([], [])
     for batch in batches:

@@ -2,16 +2,19 @@
 `fullgraph=True` (so any graph break inside a block is an error).
 
 Dynamo's eager backend traces exactly as inductor does (graphs, breaks, guards) without the
-C++ build, so the suite stays fast; the losses of three SGD steps must equal one eager process
-within tests/parity.py's EPS_LOSS (the same arithmetic, reordered only by the layout's
-collectives), and Dynamo must have built graphs with no graph break inside a block (under pp, blocks compiled inside their stage): tensor
+C++ build, so the suite stays fast. Three SGD steps must match one eager process as every
+parity test does (tests/parity.py: losses, the first step's whole gradients, the parameters
+after the last step, within bounds derived there: the same arithmetic, reordered only by the
+layout's collectives), and Dynamo must have built graphs with no graph break inside a block (under pp, blocks compiled inside their stage): tensor
 parallelism's per-forward caches are traceable dicts keyed by the tensors themselves,
 sequence parallelism's saved-shard hooks stay out of compiled code, and ZeRO-3's gather
 hooks run outside the graph, as FSDP2's do.
 
 On torch before 2.13 compiled code loses the gradients of DTensor parameters (every block
 gradient zero at tp=2 on 2.11), so there a compiled tensor-parallel block is refused, and
-that refusal is what the test checks.
+that refusal is what the test checks. Before 2.14 Dynamo crashes on a DTensor parameter whose
+shard lives in ZeRO's flat buffer (compat.COMPILES_DTENSOR_VIEWS): tp with ZeRO compiled is
+refused there and trains (with the same parity) from 2.14.
 
 The blocks share one compiled graph: the plan reaches compiled code as one interned layout
 object per distinct layout, never as a module path Dynamo would specialize each block on
@@ -47,8 +50,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
-from parity import EPS_LOSS, SGD, gpt_batches, make_gpt, reference_run
+from shardwise.compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS
+from parity import Run, assert_parity, gpt_batches, make_gpt, reference_run, train_parallel
 from test_context_parallel import cp_batches
 from test_float8 import FLOAT8_TRAJECTORY, llama, llama_batches, to_float8
 
@@ -61,10 +64,12 @@ LAYOUTS = {
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules
     "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
 }
-LAYOUTS_4 = {  # Hugging Face Llama in the compositions bench/llama.py --compile times, on 4 ranks
+LAYOUTS_4 = {  # on 4 ranks: Hugging Face Llama in the compositions bench/llama.py --compile times; tp with ZeRO
     "llama tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
     "llama zero3 dp4": ({"zero": 3}, None),
     "llama pp2 x dp2": ({"pp": 2, "microbatches": 2}, None),
+    "tp2 x dp2 zero1": ({"tp": 2, "zero": 1}, "gpt"),  # tp shards inside ZeRO's flat buffers (torch >= 2.14)
+    "tp2 sp x dp2 zero3": ({"tp": 2, "sequence_parallel": True, "zero": 3}, "gpt"),
 }
 
 
@@ -79,8 +84,9 @@ def model(name: str, float8: bool | None = None) -> torch.nn.Module:
     return to_float8(gpt) if (float8 if float8 is not None else "float8" in name) else gpt
 
 
-def _compiled_runs(layouts: dict) -> dict[str, tuple[list[float], int, dict]]:
-    """Per layout: losses of three steps, graphs built, graph breaks (reason -> count)."""
+def _compiled_runs(layouts: dict) -> dict[str, tuple[Run, int, dict] | str]:
+    """Per layout: the run (tests/parity.py), graphs built, graph breaks (reason -> count); or
+    the ConfigError's message where compiling is refused."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # blocks compiled once each would raise, not run eager
@@ -88,22 +94,14 @@ def _compiled_runs(layouts: dict) -> dict[str, tuple[list[float], int, dict]]:
     for name, (config, plan) in layouts.items():
         torch._dynamo.reset()
         counters.clear()
-        sample = {k: v[:4] for k, v in batches(name)[0].items()} if "llama" in name else gpt_batches(1, 8)[0][:4]
-        sample = sample if "pp" in config else None
-        pm = sw.parallelize(model(name), sw.ParallelConfig(**config), plan=plan, sample=sample)
-        opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
-        losses = []
-        try:
-            pm.compile(backend="eager")  # every block, fullgraph=True: a graph break inside one is an error
-            for batch in batches(name):  # the whole batch on every replica: their mean is one process's
-                losses.append(float(pm.train_step(batch)))
-                opt.step()
-                opt.zero_grad()
-        except sw.ConfigError as exc:  # torch < 2.13 under tp: refused (below)
+        try:  # every block, fullgraph=True: a graph break inside one is an error
+            run = train_parallel(config, functools.partial(model, name), batches(name), plan,
+                                 compile_kwargs={"backend": "eager"})
+        except sw.ConfigError as exc:  # refused where torch cannot (below)
             found[name] = str(exc)
             continue
-        found[name] = (losses, counters["stats"]["unique_graphs"], {k.splitlines()[0]: v for k, v in
-                                                                      counters["graph_break"].items()})
+        found[name] = (run, counters["stats"]["unique_graphs"], {k.splitlines()[0]: v for k, v in
+                                                                  counters["graph_break"].items()})
     return found
 
 
@@ -115,19 +113,24 @@ def compiled():
 
 @pytest.mark.parametrize("name", list(LAYOUTS) + list(LAYOUTS_4))
 def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, name):
-    if not COMPILES_DTENSOR_PARAMETERS and "tp" in {**LAYOUTS, **LAYOUTS_4}[name][0]:
+    config = {**LAYOUTS, **LAYOUTS_4}[name][0]
+    if not COMPILES_DTENSOR_PARAMETERS and "tp" in config:
         assert "loses the gradients of tensor-parallel parameters" in compiled[name], compiled[name]
         return
-    eager = reference_run(functools.partial(model, name), batches(name)).losses
-    losses, graphs, breaks = compiled[name]
+    if not COMPILES_DTENSOR_VIEWS and "tp" in config and config.get("zero"):
+        assert "compiled under tensor parallelism with ZeRO" in compiled[name], compiled[name]
+        return
+    eager = reference_run(functools.partial(model, name), batches(name))
+    run, graphs, breaks = compiled[name]
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"
     assert not breaks, f"{name}: graph breaks inside compiled blocks: {breaks}"
     if "float8" in name:  # tests/test_float8.py's bound: well inside float8's own deviation from float32
         float32 = reference_run(functools.partial(model, name, False), batches(name)).losses
-        yard = max(abs(a - b) for a, b in zip(float32, eager))
-        assert max(abs(a - b) for a, b in zip(losses, eager)) <= FLOAT8_TRAJECTORY * yard, (losses, eager, float32)
+        yard = max(abs(a - b) for a, b in zip(float32, eager.losses))
+        assert max(abs(a - b) for a, b in zip(run.losses, eager.losses)) <= FLOAT8_TRAJECTORY * yard, (
+            run.losses, eager.losses, float32)
     else:
-        assert losses == pytest.approx(eager, rel=EPS_LOSS, abs=0), (losses, eager)
+        assert_parity(eager, run)
 
 
 
@@ -150,10 +153,14 @@ def _tp_with_zero_compiled() -> list[str]:
     return messages
 
 
-def test_compiled_tp_blocks_with_zero_buffers_are_refused():
-    """A tp shard inside ZeRO's flat parameter buffer (a storage offset) crashes Dynamo
-    (InternalTorchDynamoError on every torch we run): refused by name on every rank."""
+def test_compiled_tp_blocks_with_zero_buffers_are_refused_before_torch_2_14():
+    """A tp shard inside ZeRO's flat parameter buffer (a storage offset) crashes Dynamo before
+    torch 2.14 (InternalTorchDynamoError): refused by name on every rank, whether pmodel.compile()
+    or the user compiled the blocks. From 2.14 both train (parity: the layouts above)."""
     for messages in sw.testing.run_on_ranks(_tp_with_zero_compiled, 4):
+        if COMPILES_DTENSOR_VIEWS:
+            assert messages == ["compiled", "trained"], messages
+            continue
         for message in messages:
             assert "compiled under tensor parallelism with ZeRO" in message or (
                 not COMPILES_DTENSOR_PARAMETERS and "loses the gradients" in message), message

@@ -41,7 +41,7 @@ from ...plan.resolve import ResolvedPlan
 from ...plan.stages import layer_list
 from ...tensors import is_sharded, local, storage_id
 from ...topology import Topology
-from ...compat import COMPILES_DTENSOR_PARAMETERS, all_gather_single
+from ...compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS, all_gather_single
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
 from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, install_rule, replace_module,
@@ -84,7 +84,8 @@ class TensorParallel:
 
     def refuse_compiling(self, module: nn.Module, blocks: list[str]) -> None:
         """A `ConfigError` if `blocks` of `module` are (to be) compiled where the compiled code
-        would be wrong or crash: on torch < 2.13, or with tp shards inside ZeRO's flat buffers."""
+        would be wrong or crash: on torch < 2.13, or with tp shards inside ZeRO's flat buffers
+        before torch 2.14."""
         if not blocks or not self.sharded_modules:
             return
         if not COMPILES_DTENSOR_PARAMETERS:
@@ -92,12 +93,12 @@ class TensorParallel:
                 f"{blocks[:3]} are compiled, and torch {torch.__version__} loses the gradients of tensor-parallel "
                 "parameters inside compiled code (every one zero, without a word); compile them on torch >= 2.13, "
                 "or train them eager here")
-        if self.shards_in_buffers(module):
+        if not COMPILES_DTENSOR_VIEWS and self.shards_in_buffers(module):
             raise ConfigError(
-                f"{blocks[:3]} are compiled under tensor parallelism with ZeRO: torch's compiler cannot yet trace a "
-                "DTensor parameter whose shard lives inside ZeRO's flat parameter buffer (Dynamo fails on a DTensor "
-                "whose local tensor has a storage offset). Compile tp with zero=0 (ZeRO alone compiles), or train "
-                "these blocks eager")
+                f"{blocks[:3]} are compiled under tensor parallelism with ZeRO: torch {torch.__version__}'s compiler "
+                "cannot trace a DTensor parameter whose shard lives inside ZeRO's flat parameter buffer (Dynamo fails on "
+                "a DTensor whose local tensor has a storage offset; torch >= 2.14 traces it). Upgrade torch, compile tp "
+                "with zero=0 (ZeRO alone compiles), or train these blocks eager")
 
     def shards_in_buffers(self, module: nn.Module) -> bool:
         """Whether a tp shard is a view into a larger buffer (ZeRO's flat parameters), once per model."""
