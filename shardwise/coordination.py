@@ -24,12 +24,16 @@ that path; below 7 ranks they always do: the ring is as short), and from the gat
 - fingerprints that differ between ranks that must agree are named, with the first
   difference, before any data-dependent collective runs.
 
-While a rank waits for the others it polls: every second it reads the other ranks'
+While a rank waits for the others it polls: a wait that outlasts a poll says which
+collective it waits in (a second key per rank, cleared when the wait ends), and every second it reads the other ranks'
 beacons, small keys in the rendezvous store (one set per coordinator) saying which operation
 each rank entered last and its number, so a wait that cannot finish is named precisely (the
 rank that is behind, the operation it is in, a rank whose operation failed) and fails within
 the config's `timeout_s` at most. A peer that already entered a later operation skipped the
 collective this rank waits in: that fails within about three seconds, with one message on every rank.
+Peers blocked in different collectives of the same group (`sw.reduce` called under
+`if rank == 0`, while the other rank waits in its gradient all-reduce) fail within about
+five seconds, each naming both collectives.
 This is what lets a step's optimizer.step go without an agreement of its own (module.py).
 
 An exception that escapes an operation on one rank alone (a user's forward raising on one
@@ -68,6 +72,10 @@ FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 POLL_S = 1.0
 MOVED_ON_GRACE_S = 2.0  # a peer past this rank's operation for this long skipped the collective it waits in
+# Two ranks of one group blocked in two different collectives of it, both for this long after
+# saying so, will never finish: collectives of a group complete in the order they were issued,
+# so a rank waiting in a later one than a peer's sees the peer's finish within one transfer.
+APART_GRACE_S = 3.0
 SUM_SAVES_STEPS = 2  # the sum replaces the all-gather where it saves this many latency steps (from 7 ranks):
 # it costs a hand-off to its thread and back, and at 4 local ranks measured slower than the 3-step ring
 BEACON_EVERY_S = 1.0  # entering an operation republishes the beacon at most this often (a store round trip)
@@ -177,6 +185,7 @@ class Coordinator:
         self.current = "idle"
         self.waited_s = 0.0  # time blocked in `wait` (metrics.py: exposed communication)
         self._published = (None, float("-inf"))  # the beacon last written, and when
+        self._waiting_said = False  # a wait-key says this rank is blocked in a collective
         self._weights: dict[int, tuple[Any, int]] = {}  # id(peer groups) -> (them, this rank's weight)
         if fast_path is None:  # not in torch's fake world (one process, no messages)
             fast_path = (self.size - 1 - doubling_steps(self.size) >= SUM_SAVES_STEPS
@@ -250,8 +259,58 @@ class Coordinator:
 
     def _wait(self, work: Any, what: str, group: dist.ProcessGroup, deadline_s: float | None) -> None:
         ranks = dist.get_process_group_ranks(group)
+        try:
+            self._poll(work, what, group, ranks, deadline_s, lambda: self._say_waiting(what, ranks))
+        finally:
+            if self._waiting_said:
+                self._say_waiting(None, ranks)
+
+    def _say_waiting(self, what: str | None, ranks: list[int]) -> None:
+        """Publish the collective this rank is blocked in (None: no longer blocked)."""
+        self._waiting_said = what is not None
+        if self.store is None or self.size == 1:
+            return
+        try:
+            self.store.set(f"wait/{self.rank}", "" if what is None else f"{self.seq}\t{ranks}\t{what}")
+        except RuntimeError:
+            pass  # the store is gone (the world is ending): diagnosis only
+
+    def _raise_if_waiting_apart(self, what: str, ranks: list[int], since: float | None) -> float | None:
+        """Peers blocked in another collective of the same group (same ranks, same operation)
+        for APART_GRACE_S: a collective some ranks skipped or issued in another order. Returns
+        when that was first seen (None: not seen)."""
+        if self.store is None:
+            return None
+        apart = {}
+        for rank in ranks:
+            if rank == self.rank:
+                continue
+            try:
+                if not self.store.check([f"wait/{rank}"]):
+                    continue
+                seen = self.store.get(f"wait/{rank}").decode()
+            except RuntimeError:
+                return since
+            if seen:
+                seq, their_ranks, theirs = seen.split("\t", 2)
+                if int(seq) == self.seq and their_ranks == str(ranks) and theirs != what:
+                    apart[rank] = theirs
+        now = time.monotonic()
+        if not apart or since is None or now - since < APART_GRACE_S:
+            return (since if since is not None else now) if apart else None
+        apart[self.rank] = what  # in rank order: the same message whichever rank sees it first
+        names = "; ".join(f"rank {r} waits in {w}" for r, w in sorted(apart.items()))
+        message = (f"{SKIPPED} over ranks {ranks}, {names}: a collective that some ranks skipped or called in another "
+                   "order (e.g. sw.reduce under `if rank == 0`, or in a branch taken on some ranks only); call it on "
+                   "every rank of its group")
+        self._leave_step(message)
+        raise CommunicationError(message)
+
+    def _poll(self, work: Any, what: str, group: dist.ProcessGroup, ranks: list[int], deadline_s: float | None,
+              say_waiting: Callable[[], None]) -> None:
         deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
         moved_since = None  # when a peer was first seen past this rank's operation
+        apart_since = None  # when a peer was first seen blocked in another collective of this group
         while True:
             try:
                 work.wait(timeout=timedelta(seconds=max(0.01, min(POLL_S, deadline - time.monotonic()))))
@@ -269,8 +328,11 @@ class Coordinator:
                     ) from exc
             if self._published[0] != self.current:  # peers must see where this rank waits
                 self._beacon(self.current)
+            if not self._waiting_said:
+                say_waiting()
             reports = self._reports(ranks)  # one read of the peers' beacons per poll
             moved_since = self._raise_if_skipped_here(reports, what, ranks, moved_since)
+            apart_since = self._raise_if_waiting_apart(what, ranks, apart_since)
             failed = {r: state for r, (_, state) in reports.items() if r != self.rank and state.startswith("out of step")}
             self._raise_skipped(failed)
             if failed or time.monotonic() >= deadline:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import ConfigError
-from .parallel.collectives import across_losses, redistribute
+from .parallel.collectives import FUNCTIONAL, CollectiveOps, across_losses, polled_ops, redistribute
 from .topology import Topology
 
 _RUNNING: contextvars.ContextVar[Topology | None] = contextvars.ContextVar("shardwise_topology", default=None)
@@ -64,51 +64,57 @@ def current_topology(topology: Topology | None = None) -> Topology:
 LOSS_DIMS = frozenset({"dp", "cp"})  # ranks computing different losses
 
 
-def _group(name: str, topology: Topology | None) -> tuple[Any, bool]:
+def _group(name: str, topology: Topology | None, helper: str) -> tuple[Any, bool, CollectiveOps]:
     """(the named group of the running (or given) topology, whether its ranks compute
-    different losses); (None, False) on a single process that runs no parallel step (the
-    model's plain forward: every helper is then the identity)."""
+    different losses, the collectives to use); group None on a single process that runs no
+    parallel step (the model's plain forward: every helper is then the identity).
+
+    Eager, the collectives wait through the topology's coordinator, which polls: a helper
+    called on some ranks only fails within seconds on each, naming where every rank waits
+    (coordination.py), instead of at timeout_s. Compiled code gets the functional ones."""
     if topology is None and _RUNNING.get() is None and (not dist.is_initialized() or dist.get_world_size() == 1):
-        return None, False
+        return None, False, FUNCTIONAL
     dims = tuple(name.split("+"))  # "dp+cp": the group spanning both
-    group = current_topology(topology).group(*dims)
+    found = current_topology(topology)
+    group = found.group(*dims)
     across = {d in LOSS_DIMS for d in dims}
     if len(across) > 1:
         raise ConfigError(f"group {name!r} mixes ranks that compute different losses (dp, cp) with ranks that compute "
                           "the same one (tp, pp): no one gradient rule fits both; call the helper once per kind, "
                           "e.g. sw.reduce(sw.reduce(x, 'tp'), 'dp')")
-    return group, across == {True}
+    ops = FUNCTIONAL if torch.compiler.is_compiling() else polled_ops(found.wait, f"sw.{helper}(group={name!r})")
+    return group, across == {True}, ops
 
 
 def reduce(tensor: torch.Tensor, group: str, op: str = "sum", topology: Topology | None = None) -> torch.Tensor:
     """The sum (op="sum") or mean (op="mean") of `tensor` over the named group, on every rank."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"reduce(op={op!r}): use 'sum' or 'mean' (the differentiable reductions)")
-    process_group, across = _group(group, topology)
+    process_group, across, ops = _group(group, topology, "reduce")
     if process_group is None:
         return tensor
     if across:
-        total = across_losses(tensor, "sum", process_group)
+        total = across_losses(tensor, "sum", process_group, ops=ops)
     else:
-        total = redistribute(tensor, Partial(), Replicate(), process_group)
+        total = redistribute(tensor, Partial(), Replicate(), process_group, ops)
     return total / process_group.size() if op == "mean" else total
 
 
 def gather(tensor: torch.Tensor, group: str, dim: int = -1, topology: Topology | None = None) -> torch.Tensor:
     """Every rank's `tensor` of the named group concatenated along `dim`, in rank order."""
-    process_group, across = _group(group, topology)
+    process_group, across, ops = _group(group, topology, "gather")
     if process_group is None:
         return tensor
     if across:
-        return across_losses(tensor, "gather", process_group, dim)
-    return redistribute(tensor, Shard(dim), Replicate(), process_group)
+        return across_losses(tensor, "gather", process_group, dim, ops)
+    return redistribute(tensor, Shard(dim), Replicate(), process_group, ops)
 
 
 def split(tensor: torch.Tensor, group: str, dim: int = -1, topology: Topology | None = None) -> torch.Tensor:
     """This rank's equal slice of `tensor` along `dim` within the named group."""
-    process_group, across = _group(group, topology)
+    process_group, across, ops = _group(group, topology, "split")
     if process_group is None:
         return tensor
     if across:
-        return across_losses(tensor, "split", process_group, dim)
-    return redistribute(tensor, Replicate(), Shard(dim), process_group)
+        return across_losses(tensor, "split", process_group, dim, ops)
+    return redistribute(tensor, Replicate(), Shard(dim), process_group, ops)

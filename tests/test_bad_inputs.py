@@ -636,6 +636,25 @@ def _parallelized_twice_at_tp2():
     return sw.parallelize(model, sw.ParallelConfig(tp=2), plan="gpt")
 
 
+class _ReducesOnRankZero(nn.Module):
+    """A forward calling sw.reduce under `if rank == 0`: rank 1 goes on to its gradient
+    all-reduce, over the same ranks as rank 0's sw.reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.layer(x)
+        if _rank() == 0:
+            y = sw.reduce(y, "dp", op="mean")
+        return y.pow(2).mean()
+
+
+def _reduce_on_rank_zero():
+    return float(sw.parallelize(_ReducesOnRankZero()).train_step(torch.ones(4, 4)))
+
+
 def _reduce_by_rank():
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig())
     batch = gpt_batches(1, 4)[0][_rank() * 2:(_rank() + 1) * 2]
@@ -905,6 +924,10 @@ RANKS2 = {
     "parallelize twice at tp=2": Case(_parallelized_twice_at_tp2, "ModelError", "it was parallelized already"),
     "ranks disagreeing on reduce=": Case(_reduce_by_rank, "CommunicationError",
                                          "train_step(reduce='sum') communicate"),
+    "sw.reduce in a forward on one rank only": Case(
+        _reduce_on_rank_zero, "CommunicationError",
+        "over ranks [0, 1], rank 0 waits in sw.reduce(group='dp'): all-reduce; rank 1 waits in all-reduce of gradient "
+        "bucket 0 (92 bytes): a collective that some ranks skipped"),
     "Adafactor under ZeRO-1": Case(lambda: _optimizer_in(torch.optim.Adafactor, zero=1), "ConfigError",
                                    "Adafactor is not an element-wise optimizer"),
     "Adafactor under tp": Case(lambda: _optimizer_in(torch.optim.Adafactor, tp=2), "ConfigError",

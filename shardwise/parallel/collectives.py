@@ -17,9 +17,17 @@ Two families:
   the ranks' gradients sum to the gradient of the losses' sum, so a gradient that reaches a
   collective's output on any rank flows to every input it came from: sum <-> sum, gather <->
   reduce-scatter, split <-> this rank's slice, zeros elsewhere (no communication).
+
+Both take `ops`, the three collectives they are made of: the functional ones (traceable,
+their waits block), or `polled_ops`, c10d twins for eager code whose waits go through a
+waiter that polls (the coordinator's), so the public helpers (`sw.reduce`, ...) called on one
+rank only fail within seconds, naming the collective each rank waits in.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import functional_all_gather, functional_reduce_scatter
+from ..compat import all_gather_single, functional_all_gather, functional_reduce_scatter, reduce_scatter_single
 from ..errors import PlanError
 
 def _dim(placement: Shard, x: torch.Tensor) -> int:
@@ -90,6 +98,43 @@ def _zero_padded(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.T
     return out
 
 
+@dataclass(frozen=True)
+class CollectiveOps:
+    """The collectives the differentiable moves are made of, each `(x, group, dim) -> tensor`."""
+
+    all_reduce: Callable
+    all_gather: Callable
+    reduce_scatter: Callable
+
+
+FUNCTIONAL = CollectiveOps(_all_reduce, _all_gather, _reduce_scatter)
+
+
+def polled_ops(waiter: Callable[[dist.Work, str, dist.ProcessGroup], None], what: str) -> CollectiveOps:
+    """Eager c10d twins of the functional collectives; each waits through `waiter(work,
+    description, group)` (a coordinator's `wait`: it polls, and names peers waiting elsewhere)."""
+    def all_reduce(x, group, dim):
+        out = x.contiguous().clone()
+        waiter(dist.all_reduce(out, group=group, async_op=True), f"{what}: all-reduce", group)
+        return out
+
+    def all_gather(x, group, dim):
+        x, size = x.contiguous(), dist.get_world_size(group)
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,))
+        waiter(all_gather_single(out, x, group=group, async_op=True), f"{what}: all-gather", group)
+        return out if dim == 0 else torch.cat(out.chunk(size, 0), dim)
+
+    def reduce_scatter(x, group, dim):
+        size = dist.get_world_size(group)
+        _divisible(x, dim, size)
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        waiter(reduce_scatter_single(out, moved, group=group, async_op=True), f"{what}: reduce-scatter", group)
+        return out.movedim(0, dim)
+
+    return CollectiveOps(all_reduce, all_gather, reduce_scatter)
+
+
 class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward_op, backward_op, group, dim):
@@ -112,14 +157,17 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _apply(x, _all_reduce, _all_reduce, group)
 
 
-def across_losses(x: torch.Tensor, kind: str, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+def across_losses(x: torch.Tensor, kind: str, group: dist.ProcessGroup, dim: int = 0,
+                  ops: CollectiveOps = FUNCTIONAL) -> torch.Tensor:
     """`kind` ("sum", "gather" or "split" along `dim`) over ranks whose losses differ."""
-    ops = {"sum": (_all_reduce, _all_reduce), "gather": (_all_gather, _reduce_scatter), "split": (_split, _zero_padded)}
-    forward_op, backward_op = ops[kind]
+    pairs = {"sum": (ops.all_reduce, ops.all_reduce), "gather": (ops.all_gather, ops.reduce_scatter),
+             "split": (_split, _zero_padded)}
+    forward_op, backward_op = pairs[kind]
     return _apply(x, forward_op, backward_op, group, dim % x.dim() if x.dim() else 0)
 
 
-def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.ProcessGroup) -> torch.Tensor:
+def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.ProcessGroup,
+                 ops: CollectiveOps = FUNCTIONAL) -> torch.Tensor:
     """Move a local tensor from placement `src` to `dst` on the tp group."""
     if src == dst:
         return x
@@ -127,14 +175,14 @@ def redistribute(x: torch.Tensor, src: Placement, dst: Placement, group: dist.Pr
         raise PlanError(f"cannot redistribute an activation to Partial() (from {src}); use Replicate() or Shard(d)")
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
-            return _apply(x, _all_reduce, _identity, group)
-        return _apply(x, _reduce_scatter, _all_gather, group, _dim(dst, x))
+            return _apply(x, ops.all_reduce, _identity, group)
+        return _apply(x, ops.reduce_scatter, ops.all_gather, group, _dim(dst, x))
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _apply(x, _all_gather, _split, group, _dim(src, x))
+        return _apply(x, ops.all_gather, _split, group, _dim(src, x))
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return _apply(x, _split, _all_gather, group, _dim(dst, x))
-    gathered = redistribute(x, src, Replicate(), group)  # Shard(a) -> Shard(b)
-    return redistribute(gathered, Replicate(), dst, group)
+        return _apply(x, _split, ops.all_gather, group, _dim(dst, x))
+    gathered = redistribute(x, src, Replicate(), group, ops)  # Shard(a) -> Shard(b)
+    return redistribute(gathered, Replicate(), dst, group, ops)
 
 
 def enter_parallel(x: torch.Tensor, src: Placement, group: dist.ProcessGroup) -> torch.Tensor:
