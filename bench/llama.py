@@ -10,7 +10,8 @@ Layouts on 4 ranks, each timed against its native composition in alternating rou
   zero3 x dp=4       shardwise: zero=3. native: `fully_shard` per layer and on the root (FSDP2).
 
   tp=2 x dp=2 + sp   shardwise: zoo plan "llama" with sequence_parallel=True, zero=3 (zero=0 with
-                     --compile: torch cannot compile tp shards inside ZeRO's flat buffers).
+                     --compile before torch 2.14, which cannot compile tp shards inside ZeRO's
+                     flat buffers).
                      native: `parallelize_module` (Colwise/Rowwise projections, vocab-parallel
                      embedding, SequenceParallel norms, PrepareModuleInput gathering the
                      attention and MLP inputs, a sequence-sharded column-parallel head under
@@ -56,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.masking_utils import create_causal_mask
 
 import shardwise as sw
+from shardwise.compat import COMPILES_DTENSOR_VIEWS
 from common import timed_rounds, training_step
 from shardwise.comm import CollectiveCounter
 
@@ -226,9 +228,10 @@ def _shardwise(args, layout: str, batches):
         plan = sw.Plan(stages=[f"lm.model.layers.{args.layers // 2}"])
         return sw.parallelize(make_llama(args), sw.ParallelConfig(pp=2, dp=2, microbatches=args.microbatches),
                               plan=plan, sample={"input_ids": batches[0][: args.batch]})
-    if layout.startswith("tp"):  # compiled: zero=0 (compiled tp blocks with ZeRO's flat buffers are refused)
-        return sw.parallelize(make_llama(args), sw.ParallelConfig(tp=2, dp=2, sequence_parallel=True,
-                                                                  zero=0 if args.compile else 3), plan="llama")
+    if layout.startswith("tp"):  # compiled before torch 2.14: zero=0 (tp shards in ZeRO's flat buffers refused)
+        zero = 0 if args.compile and not COMPILES_DTENSOR_VIEWS else 3
+        return sw.parallelize(make_llama(args), sw.ParallelConfig(tp=2, dp=2, sequence_parallel=True, zero=zero),
+                              plan="llama")
     return sw.parallelize(make_llama(args), sw.ParallelConfig(zero=3 if layout.startswith("zero3") else 0))
 
 

@@ -38,6 +38,7 @@ from .parallel.pipeline.program import capture_module, split
 from .parallel.tensor.sharding import apply_tensor_parallel
 from .parallel.tensor.rules import tensor_parallel_rules
 from .parallel.data.zero import OptimizerParams
+from .parallel.data.float8_gather import check_float8_gather, float8_gathered_weights
 from .parallel.data.zero3 import ParameterShards
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
@@ -142,6 +143,7 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
         sample = shard_batch(sample, SequenceShards(config.cp, 0), config.sequence_dim)
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     recompute_targets(module, config, resolved)
+    check_float8_gather(module, config.zero, config.tp)
     return config, chosen, resolved, layout
 
 
@@ -198,6 +200,7 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     """The executors, in order; every rank runs the same steps (agreed by parallelize)."""
     config = topology.config
     object.__setattr__(module, PARALLELIZED, True)
+    float8_gathered = float8_gathered_weights(module, config.zero)
     index = ModelIndex.of(module)
     layout = pipelined.layout if pipelined is not None else None
     if layout is not None:
@@ -223,8 +226,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     units = zero3_units(module, plan.parts) if config.zero == 3 else None
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
     gradients = apply_data_parallel(module, topology, config, partial_over_tp, index.tied, units,
-                                    _stages_of_rank(layout, topology.pp_rank))
-    param_shards = ParameterShards(module, gradients, units) if config.zero == 3 else None
+                                    _stages_of_rank(layout, topology.pp_rank), set(float8_gathered))
+    param_shards = ParameterShards(module, gradients, units, float8_gathered) if config.zero == 3 else None
     optimizer_params = OptimizerParams(module, gradients, topology, fp32_values,
                                        _first_holders(module, index.tied or {}, topology.pp_rank))
     buffers = None

@@ -17,7 +17,18 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
-          "float8-amax-per-shard")
+          "float8-amax-per-shard", "float8-gather-amax-per-shard")
+
+
+class _NoAllReduce:
+    """torch.distributed with all_reduce doing nothing (each rank keeps its own values)."""
+
+    def __getattr__(self, attr):
+        return getattr(torch.distributed, attr)
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs):
+        return None
 
 
 def from_environment() -> str | None:
@@ -38,6 +49,10 @@ def inject(name: str, config: dict) -> None:
 
         original_cast = float8._cast
         float8._cast = lambda t, module, operand, group: original_cast(t, module, operand, None)
+    elif name == "float8-gather-amax-per-shard":  # ZeRO-3 casts each weight shard by its own amax
+        import shardwise.parallel.data.float8_gather as float8_gather
+
+        float8_gather.dist = _NoAllReduce()
     elif name == "sharded-loss-whole":  # a loss on tp-sharded activations taken as every rank's whole loss
         import shardwise.step as step
 
@@ -57,15 +72,7 @@ def inject(name: str, config: dict) -> None:
         Summing.__name__ = base.__name__
         data.ReduceGroup = Summing
     elif name == "no-all-reduce":  # each replica keeps its own gradient
-        class NoAllReduce:
-            def __getattr__(self, attr):
-                return getattr(torch.distributed, attr)
-
-            @staticmethod
-            def all_reduce(tensor, *args, **kwargs):
-                return None
-
-        data.dist = NoAllReduce()
+        data.dist = _NoAllReduce()
     elif name == "microbatch-sum":  # microbatch losses summed, not averaged
         import shardwise.step as step
 

@@ -48,6 +48,7 @@ import warnings
 
 import pytest
 import torch
+from torchao.float8 import Float8LinearConfig
 
 import shardwise as sw
 from shardwise.compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS
@@ -63,6 +64,7 @@ LAYOUTS = {
     "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules
     "cp2": ({"cp": 2}, None),  # attention over the whole sequence, traced through cp's routing mode
+    "zero3 dp2 float8 all-gather": ({"zero": 3}, None),  # weights gathered as float8 into torchao's matmul
 }
 LAYOUTS_4 = {  # on 4 ranks: Hugging Face Llama in the compositions bench/llama.py --compile times; tp with ZeRO
     "llama tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, "llama"),  # input conversions on kwargs (HF attention)
@@ -81,7 +83,8 @@ def model(name: str, float8: bool | None = None) -> torch.nn.Module:
     if "llama" in name:
         return llama(float8=False, layers=BLOCKS)
     gpt = make_gpt(0, n_layer=BLOCKS)
-    return to_float8(gpt) if (float8 if float8 is not None else "float8" in name) else gpt
+    gathered = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather="all-gather" in name)
+    return to_float8(gpt, gathered) if (float8 if float8 is not None else "float8" in name) else gpt
 
 
 def _compiled_runs(layouts: dict) -> dict[str, tuple[Run, int, dict] | str]:
@@ -125,7 +128,10 @@ def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, n
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"
     assert not breaks, f"{name}: graph breaks inside compiled blocks: {breaks}"
     if "float8" in name:  # tests/test_float8.py's bound: well inside float8's own deviation from float32
-        float32 = reference_run(functools.partial(model, name, False), batches(name)).losses
+        # activations are scaled per replica's batch: one process runs each replica's batch as a forward
+        replicas = (2 if name in LAYOUTS else 4) // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
+        eager = reference_run(functools.partial(model, name), batches(name), microbatches=replicas)
+        float32 = reference_run(functools.partial(model, name, False), batches(name), microbatches=replicas).losses
         yard = max(abs(a - b) for a, b in zip(float32, eager.losses))
         assert max(abs(a - b) for a, b in zip(run.losses, eager.losses)) <= FLOAT8_TRAJECTORY * yard, (
             run.losses, eager.losses, float32)

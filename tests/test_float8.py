@@ -38,6 +38,7 @@ from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType, convert_
 import shardwise as sw
 from test_zoo import EndToEnd
 from parity import Run, assert_meaningful, gpt_batches, make_gpt, reference_run, train_parallel
+from shardwise.parallel.tensor.float8 import float8_linear_class
 from shardwise.parallel.tensor.rules import tensor_parallel_rules
 from shardwise.plan import resolve_plan
 
@@ -58,6 +59,13 @@ def gpt(float8: bool = True) -> nn.Module:
     return to_float8(model) if float8 else model
 
 
+def gpt_gathered(float8: bool = True) -> nn.Module:
+    """torchao's switch for float8 all-gather under FSDP2, which shardwise's ZeRO-3 honours
+    (shardwise/parallel/data/float8_gather.py); one process trains it as torchao does."""
+    model = make_gpt(0)
+    return to_float8(model, Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)) if float8 else model
+
+
 def llama(float8: bool = True, layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     model = EndToEnd(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -76,6 +84,7 @@ LAYOUTS = {
     "gpt tp2 sp x dp2": ({"tp": 2, "sequence_parallel": True}, gpt, "gpt", 2),
     "llama tp2 x dp2": ({"tp": 2}, llama, "llama", 2),
     "gpt zero3 dp4": ({"zero": 3}, gpt, None, 4),
+    "gpt zero3 dp4 float8 all-gather": ({"zero": 3}, gpt_gathered, None, 4),
     "gpt pp2 x dp2": ({"pp": 2, "microbatches": 2}, gpt, None, 4),
 }
 
@@ -135,10 +144,39 @@ def test_float8_layouts_train_as_one_float8_process():
     compare(4, list(LAYOUTS))
 
 
-def test_float8_check_fails_when_casts_are_scaled_per_shard():
-    """The fault the rules guard against: each tp rank scales its shard by the shard's own amax."""
+@pytest.mark.parametrize("layout, fault", [
+    ("gpt tp2 x dp2", "float8-amax-per-shard"),  # each tp rank scales its shard by the shard's own amax
+    ("gpt zero3 dp4 float8 all-gather", "float8-gather-amax-per-shard"),  # each ZeRO shard cast by its own amax
+])
+def test_float8_check_fails_when_casts_are_scaled_per_shard(layout, fault):
+    """The fault the rules guard against: a shard cast with its own scale, not the whole weight's."""
     with pytest.raises(AssertionError, match="first-step gradients differ"):
-        compare(4, ["gpt tp2 x dp2"], fault="float8-amax-per-shard")
+        compare(4, [layout], fault=fault)
+
+
+def _gathered_bytes(_):
+    pm = sw.parallelize(gpt_gathered(), sw.ParallelConfig(zero=3))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    for _ in range(2):  # the second step, with the units' order known
+        pm.gradients.stats.reset()
+        pm.train_step(gpt_batches(1, 8)[0])
+        opt.step()
+        opt.zero_grad()
+    float8 = [m.weight for m in pm.module.modules() if isinstance(m, float8_linear_class())]
+    return (pm.gradients.stats.bytes["all_gather"], sum(p.numel() for p in float8),
+            sum(p.numel() for p in pm.module.parameters()), type(float8[0]).__name__)
+
+
+def test_zero3_gathers_float8_weights_as_one_byte_each():
+    """With enable_fsdp_float8_all_gather the Float8Linear weights travel as float8 (1 byte an
+    element, forward and backward gathers), the rest as float32; torchao's FSDP2 weight wrapper
+    is unwrapped (it means nothing outside FSDP2)."""
+    for got, float8, total, kind in sw.testing.run_on_ranks(_gathered_bytes, 2, None):
+        assert kind == "Parameter", kind
+        low = 2 * (float8 + 4 * (total - float8))  # each parameter gathered at least twice (forward, backward)
+        high = 3 * (float8 + 4 * (total - float8))  # the units around the blocks at most three times
+        assert low <= got <= high, (got, low, high)
+        assert got < 2 * 4 * total * 0.6, (got, total)  # far below gathering everything in float32
 
 
 @pytest.mark.parametrize("config, pattern", [

@@ -390,7 +390,8 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
                         partial_over_tp: set[int] | None = None,
                         tied: dict[str, list[int]] | None = None,
                         units: dict[str, int] | None = None,
-                        stages: dict[str, int] | None = None) -> GradientBuckets:
+                        stages: dict[str, int] | None = None,
+                        float8_gathered: set[int] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
@@ -404,6 +405,8 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
         tied: parameter name -> the pipeline ranks holding it (summed over those ranks).
         units: ZeRO-3's gather units -> their gather; `stages`: this rank's module paths ->
             pipeline stage. A bucket never spans two gathers or two stages.
+        float8_gathered: ids of weights ZeRO-3 gathers as float8 (float8_gather.py): in
+            buckets of their own.
     Returns:
         The gradient executor, its buckets laid out and hooked to the parameters.
     """
@@ -411,7 +414,8 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
     dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {})
     unit_of = _owner_labels(module, units or {})
     stage_of = _owner_labels(module, stages or {})
-    apart = {id(p): (stage_of.get(id(p)), unit_of.get(id(p))) for p in params}
+    float8_gathered = float8_gathered or set()
+    apart = {id(p): (stage_of.get(id(p)), unit_of.get(id(p)), id(p) in float8_gathered) for p in params}
     bucket_bytes = int(config.bucket_mb * MiB)
     buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=ZeroStage(config.zero),
                               reduce_dtype=config.reduce_dtype or config.param_dtype, apart=apart)

@@ -38,17 +38,30 @@ from ...comm import trace_range, wait
 from ...compat import all_gather_single
 from ...tensors import tensor_leaves
 from .buckets import Bucket
+from .float8_gather import Float8Gather, use_gathered_weight
 from .gradients import GradientBuckets
 
 
 class ParameterShards:
     """Gathers and frees the parameter buffers of ZeRO-3 around each unit's use."""
 
-    def __init__(self, module: nn.Module, gradients: GradientBuckets, units: Iterable[str]):
+    def __init__(self, module: nn.Module, gradients: GradientBuckets, units: Iterable[str],
+                 float8: dict[int, nn.Module] | None = None):
         self.gradients = gradients
         self.stats = gradients.stats
         self._works: dict[int, Any] = {}
         self._gathered: set[int] = set()
+        # buckets of Float8Linear weights gathered as float8 bytes for their units' use
+        # (float8_gather.py); `whole()` still gathers them in high precision
+        float8 = float8 or {}
+        self._float8 = {id(b): Float8Gather(b, [float8[id(p)] for p in b.params]) for b in gradients.buckets
+                        if b.params[0] is not None and id(b.params[0]) in float8}
+        self._works8: dict[int, Any] = {}
+        self._gathered8: set[int] = set()
+        classes: dict[type, type] = {}
+        for gather in self._float8.values():
+            for m in gather.modules:
+                use_gathered_weight(m, classes)
         self._order: list[str] = []  # forward order of units, learned on the first forward
         self._order_known = False  # a unit ran a second time: the whole order was seen
         self._needed: dict[str, list[Bucket]] = {}
@@ -76,8 +89,11 @@ class ParameterShards:
         self.release_all()
 
     # gather and release -------------------------------------------------------------------
-    def _gather(self, bucket: Bucket, wait_now: bool) -> None:
+    def _gather(self, bucket: Bucket, wait_now: bool, whole: bool = False) -> None:
         if bucket in self._kept:
+            return
+        if not whole and id(bucket) in self._float8:
+            self._gather_float8(bucket, wait_now)
             return
         if id(bucket) not in self._gathered and id(bucket) not in self._works:
             buffer = bucket.param_buffer
@@ -91,13 +107,33 @@ class ParameterShards:
                  self.gradients.coordinator)
             self._gathered.add(id(bucket))
 
+    def _gather_float8(self, bucket: Bucket, wait_now: bool) -> None:
+        key = id(bucket)
+        if key in self._gathered8 and self._float8[key].stale():  # an optimizer step since (no sync between)
+            self._gathered8.discard(key)
+            self._float8[key].release()
+        if key not in self._gathered8 and key not in self._works8:
+            gather = self._float8[key]
+            self.stats.record("all_gather", gather.full)
+            with trace_range(f"launch float8 all-gather of parameter bucket {bucket.index}"):
+                self._works8[key] = gather.launch(
+                    lambda work, what, group: wait(work, what, group, self.gradients.coordinator))
+        if wait_now and key in self._works8:
+            wait(self._works8.pop(key), f"float8 all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
+                 self.gradients.coordinator)
+            self._gathered8.add(key)
+            self._float8[key].lend()
+
     def _release(self, bucket: Bucket) -> None:
         if bucket in self._kept:
             return
-        if id(bucket) in self._works:  # a prefetch nobody used: finish it before dropping the storage
-            self._gather(bucket, wait_now=True)
+        if id(bucket) in self._works or id(bucket) in self._works8:  # an unused prefetch: finish it first
+            self._gather(bucket, wait_now=True, whole=id(bucket) in self._works)
         bucket.param_buffer.untyped_storage().resize_(0)
         self._gathered.discard(id(bucket))
+        if id(bucket) in self._float8:
+            self._float8[id(bucket)].release()
+            self._gathered8.discard(id(bucket))
 
     def _neighbour(self, path: str, step: int) -> str | None:
         if path not in self._order:
@@ -118,7 +154,7 @@ class ParameterShards:
     def whole(self) -> Iterator[None]:
         """Every parameter whole inside the block (collective); writes to them are kept."""
         for bucket in self.gradients.buckets:
-            self._gather(bucket, wait_now=True)
+            self._gather(bucket, wait_now=True, whole=True)
         try:
             yield
         finally:
