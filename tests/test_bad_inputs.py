@@ -951,7 +951,17 @@ RANKS2 = {
     "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
                                                check=lambda v: v == "trained"),
 }
+def _float8_gathered_under_tp():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = convert_to_float8_training(make_gpt(0), config=Float8LinearConfig(
+        emulate=True, enable_fsdp_float8_all_gather=True), module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
+    return sw.parallelize(model, sw.ParallelConfig(tp=2, zero=3), plan="gpt")
+
+
 RANKS4 = {
+    "float8 all-gather under tp with zero=3": Case(_float8_gathered_under_tp, "ConfigError",
+                                                   "enable_fsdp_float8_all_gather=True under tp=2 with zero=3"),
     "a ParallelModule inside a plain module": Case(_inside_a_plain_module, "ModelError",
                                                   "called on a tensor computed from trainable parameters outside it"),
     "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
