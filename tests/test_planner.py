@@ -120,6 +120,30 @@ def test_search_finds_the_brute_force_best_and_explains_it():
     assert best.config.dp * best.config.tp * best.config.pp * best.config.cp == 16
 
 
+def test_evaluate_predicts_a_given_layout_as_the_search_does():
+    """sw.plan.evaluate on the search's own picks gives the same terms (one layout through the
+    same cost model), works for a layout the search would not rank first, and refuses a layout
+    that does not cover the cluster or split the batch, naming the fix."""
+    spec, cluster = model_spec("llama3-8b"), Cluster(16, device="h100")
+    result = search(spec, cluster, global_batch=32, seq_len=4096, top=3)
+    for picked in result:
+        got = sw.plan.evaluate(spec, cluster, picked.config, seq_len=4096, global_batch=32, virtual=picked.virtual)
+        assert got.memory_terms == pytest.approx(picked.memory_terms, rel=1e-12)
+        assert got.time_terms == pytest.approx(picked.time_terms, rel=1e-12)
+        assert got.layout() == picked.layout() and got.fits
+        assert "compute" in got.explain()
+    plain = sw.plan.evaluate(spec, cluster, sw.ParallelConfig(zero=3, param_dtype=torch.bfloat16), seq_len=4096,
+                             global_batch=32)
+    assert plain.config.dp == 16 and plain.step_seconds >= result[0].step_seconds
+    narrow = Cluster(16, device="h100", gpus_per_node=2)
+    for where, config, message in ((cluster, sw.ParallelConfig(tp=3), "tp=3 does not divide world size 16"),
+                                   (cluster, sw.ParallelConfig(tp=2, microbatches=3), "does not split into dp=8"),
+                                   (cluster, sw.ParallelConfig(tp=16), "kv_heads=8 is not divisible by tp=16"),
+                                   (narrow, sw.ParallelConfig(tp=4), "spans nodes of 2 GPUs")):
+        with pytest.raises(ConfigError, match=message):
+            sw.plan.evaluate(spec, where, config, seq_len=4096, global_batch=32)
+
+
 def test_meta_llama3_405b_layout():
     """Meta's layout for Llama 3 405B at 8K (arXiv 2407.21783 Table 4: tp8 cp1 pp16 dp128,
     41% MFU) fits in an H100's 80 GB in our cost model, with MFU within 10 points of the

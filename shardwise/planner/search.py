@@ -25,7 +25,8 @@ import torch
 from ..config import ParallelConfig, divisors
 from ..errors import ConfigError
 from .cluster import Cluster
-from .cost import RECOMPUTE_CODES, SCHEDULE_CODES, Cost, Layout, evaluate
+from .cost import RECOMPUTE_CODES, SCHEDULE_CODES, Cost, Layout
+from .cost import evaluate as evaluate_layouts
 from .model import ModelSpec, model_spec
 
 MIN_CP_TOKENS = 256
@@ -61,6 +62,11 @@ class Candidate:
     @property
     def step_seconds(self) -> float:
         return sum(self.time_terms.values())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits the cluster's usable device memory."""
+        return self.memory <= self.cluster.usable_bytes
 
     @property
     def mfu(self) -> float:
@@ -215,7 +221,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
         layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes) if batch else None
         if layout is None:
             continue
-        cost = evaluate(spec, cluster, layout, seq_len)
+        cost = evaluate_layouts(spec, cluster, layout, seq_len)
         result.evaluated += layout.dp.size
         fits = cost.memory <= cluster.usable_bytes
         result.fitting += int(fits.sum())
@@ -235,3 +241,46 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     result.extend(ranked[:top])
     result.seconds = time.perf_counter() - start
     return result
+
+
+def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: int, global_batch: int,
+             virtual: int = 1) -> Candidate:
+    """What `config` would cost: the search's prediction for one layout the user has, as a
+    `Candidate` (memory and time terms, `explain()`, `fits`), whether or not the search
+    would pick it.
+
+    `global_batch` sequences of `seq_len` tokens per step, split over the config's replicas
+    and `config.microbatches`; `virtual` pipeline stages per rank (interleaved schedules).
+    The config's degrees must cover the cluster (dp may be None: derived).
+    """
+    spec = model_spec(model)
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config={config!r} must be a sw.ParallelConfig")
+    config = config.resolve(cluster.gpus)
+    for name, value in (("seq_len", seq_len), ("global_batch", global_batch), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if spec.max_seq is not None and seq_len > spec.max_seq:
+        raise ConfigError(f"seq_len={seq_len} exceeds {spec.name}'s {spec.max_seq} learned positions")
+    replicas = config.dp * config.microbatches
+    if global_batch % replicas:
+        raise ConfigError(f"global_batch={global_batch} does not split into dp={config.dp} replicas x "
+                          f"microbatches={config.microbatches}; use a multiple of {replicas}")
+    if config.tp > 1 and (why := spec.check_tp(config.tp)):
+        raise ConfigError(f"tp={config.tp} cannot split {spec.name}: {why}")
+    if config.tp > cluster.gpus_per_node:
+        raise ConfigError(f"tp={config.tp} spans nodes of {cluster.gpus_per_node} GPUs; the planner keeps tp inside a node")
+    if config.pp * virtual > spec.layers:
+        raise ConfigError(f"pp={config.pp} x virtual={virtual} stages exceed {spec.name}'s {spec.layers} layers")
+    if config.schedule not in SCHEDULE_CODES:
+        raise ConfigError(f"schedule={config.schedule!r}: the planner models {sorted(SCHEDULE_CODES)}")
+    if config.recompute not in RECOMPUTE_CODES:
+        raise ConfigError(f"recompute={config.recompute!r}: the planner models None, 'selective' and 'full'")
+    nbytes = 4 if config.param_dtype in (None, torch.float32) else torch.empty((), dtype=config.param_dtype).element_size()
+    layout = Layout(dp=np.array([config.dp]), tp=np.array([config.tp]), pp=np.array([config.pp]),
+                    cp=np.array([config.cp]), zero=np.array([config.zero]),
+                    recompute=np.array([RECOMPUTE_CODES[config.recompute]]),
+                    sp=np.array([int(config.sequence_parallel)]), micro_batch=np.array([global_batch // replicas]),
+                    microbatches=np.array([config.microbatches]), schedule=np.array([SCHEDULE_CODES[config.schedule]]),
+                    virtual=np.array([virtual]), param_bytes=np.array([nbytes]))
+    return _candidate(spec, cluster, seq_len, layout, evaluate_layouts(spec, cluster, layout, seq_len), 0)
