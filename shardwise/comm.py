@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -115,23 +115,30 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def coalesce(items: Iterable, cap_bytes: int, key=None, nbytes=None) -> Iterator[list]:
+def coalesce(items: Iterable, cap_bytes: int, key=None, nbytes=None) -> list[list]:
     """Runs of items with one key (default: a tensor's dtype and device), each at most
-    `cap_bytes` (or a single item). Runs come out in the order they fill."""
+    `cap_bytes` (or a single item), in the order they complete: by the position of their last
+    item. (A key's last run is complete at its last item, not at the end of the list: a ZeRO-3
+    unit's first parameters, which backward reaches last in the unit, are bucketed right after
+    the unit, not after every other unit.)"""
     key = key or (lambda t: (t.dtype, t.device))
     nbytes = nbytes or (lambda t: t.numel() * t.element_size())
     runs: dict = {}
     sizes: dict = {}
-    for item in items:
+    done: list[tuple[int, list]] = []  # (position of the last item, run)
+    last: dict = {}
+    for position, item in enumerate(items):
         k, size = key(item), nbytes(item)
         if k in runs and sizes[k] + size > cap_bytes:
-            yield runs.pop(k)
+            done.append((last[k], runs.pop(k)))
         if k in runs:
             runs[k].append(item)
             sizes[k] += size
         else:
             runs[k], sizes[k] = [item], size
-    yield from runs.values()
+        last[k] = position
+    done += [(last[k], run) for k, run in runs.items()]
+    return [run for _, run in sorted(done, key=lambda entry: entry[0])]
 
 
 @torch.no_grad()
