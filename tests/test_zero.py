@@ -113,6 +113,37 @@ def test_zero3_gathers_each_block_twice_and_frees_between_steps():
         assert after == 0
 
 
+def _gradient_buffers_in_flight(zero: int):
+    pm = sw.parallelize(make_gpt(0, n_layer=4, d_model=128), sw.ParallelConfig(zero=zero, bucket_mb=0.05))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
+    buckets = pm.gradients.buckets
+    in_blocks = {id(p) for p in pm.module.layers.parameters()}
+    # the buckets of the units around the blocks (embeddings, final norm, tied head) fill from the
+    # first gradient (the head's) to the last (the embedding's): held throughout, counted apart
+    blocks = [b for b in buckets if all(id(p) in in_blocks for p in b.params)]
+    held = []
+    pm.gradients.pre_hooks.append(lambda grads: held.append(sum(b.buffer is not None for b in blocks)))
+    index, count = sw.data_parallel_info(pm)
+    for batch in gpt_batches(2, 8):
+        pm.train_step(replica_slice(batch, index, count))
+        opt.step()
+        opt.zero_grad()
+    return max(held), len(blocks), sum(b.buffer is not None for b in buckets)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_backward_holds_few_whole_gradient_buckets(zero):
+    """ZeRO-2/3 keep gradients as shards: a bucket's whole-gradient buffer is freed once its
+    reduce-scatter is done, so backward holds at most IN_FLIGHT launched ones, the one being
+    launched and one filling, not every bucket until the step ends (the planner counts shards)."""
+    from shardwise.parallel.data.gradients import IN_FLIGHT
+
+    for most, buckets, after in sw.testing.run_on_ranks(_gradient_buffers_in_flight, 2, zero):
+        assert buckets >= 20, buckets
+        assert most <= IN_FLIGHT + 1, (most, buckets)  # the one launching, IN_FLIGHT - 1 earlier, one filling
+        assert after == 0
+
+
 # -- mixed precision ----------------------------------------------------------------------
 def bf16_emulation(batches, replicas: int) -> Run:
     """One process computing what data-parallel bf16 training promises: each replica's

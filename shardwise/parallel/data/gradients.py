@@ -7,7 +7,9 @@ registration order (roughly the order backward produces gradients); the same hoo
 bucket down, and the bucket's all-reduce is launched asynchronously as soon as it is full,
 so communication overlaps the rest of backward. Buckets launch strictly in order, so every
 rank issues the same collectives in the same order even when ranks see different
-parameters unused. One wait at the end of backward finishes the step.
+parameters unused. One wait at the end of backward finishes the step; under ZeRO-2/3, whose
+gradients live as shards, a bucket's whole-gradient buffer is freed as soon as a later launch
+finds its reduce-scatter done (at most `IN_FLIGHT` held), not at the end of the step.
 
 Each parameter is reduced over its own group with its own scale: the data-parallel ranks
 (mean), or, for a replicated parameter whose gradient is partial over tensor-parallel ranks
@@ -49,6 +51,7 @@ from ...tensors import local
 from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
 
 MiB = 1 << 20
+IN_FLIGHT = 2  # ZeRO-2/3: whole-gradient buffers of launched reduce-scatters kept at once
 
 
 class GradientBuckets:
@@ -221,11 +224,27 @@ class GradientBuckets:
         else:
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
+        if not self.zero.grad_buffer_kept:
+            self._bound_in_flight(bucket.index)
         if bucket is self.buckets[-1] and not self._summary_in_bucket and self.replicas.size > 1:
             self._summary_alone = self.summary.pack(self._used, self.replicas.size, bucket.device)
             self.stats.record("all_reduce", self._summary_alone)
             self._summary_work = dist.all_reduce(self._summary_alone, group=self.replicas.group, async_op=True)
         self._next = bucket.index + 1
+
+    def _bound_in_flight(self, launched: int) -> None:
+        """ZeRO-2/3: finish the reduce-scatter launched IN_FLIGHT buckets ago and free its
+        whole-gradient buffer, so backward holds at most IN_FLIGHT of them (plus the one
+        filling) instead of every bucket's until the step ends; it has usually finished by
+        then (a group runs its collectives in order)."""
+        if launched < IN_FLIGHT:
+            return
+        done = self.buckets[launched - IN_FLIGHT]
+        if done.work is not None:
+            wait(done.work, f"reduce-scatter of gradient bucket {done.index} ({done.nbytes} bytes)", done.reduce.group,
+                 self.coordinator)
+            done.work = None
+        done.release()
 
     def finish(self) -> torch.Tensor | None:
         """Complete synchronization: launch what is left, wait once, settle unused params.
