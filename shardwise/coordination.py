@@ -186,6 +186,9 @@ class Coordinator:
         self.waited_s = 0.0  # time blocked in `wait` (metrics.py: exposed communication)
         self._published = (None, float("-inf"))  # the beacon last written, and when
         self._waiting_said = False  # a wait-key says this rank is blocked in a collective
+        # an agreement left running while local work goes on (a step's forward, step.py):
+        # settled before this rank's next collective of any kind
+        self.deferred: Callable[[], Any] | None = None
         self._weights: dict[int, tuple[Any, int]] = {}  # id(peer groups) -> (them, this rank's weight)
         if fast_path is None:  # not in torch's fake world (one process, no messages)
             fast_path = (self.size - 1 - doubling_steps(self.size) >= SUM_SAVES_STEPS
@@ -248,6 +251,7 @@ class Coordinator:
         """Wait for an async collective; fail with a `CommunicationError` that names the
         operation and what the other ranks reported, as soon as a peer is known to have
         failed, and at the latest after `deadline_s` (default: the timeout)."""
+        self.settle_deferred()
         if work is None:
             return
         start = time.perf_counter()
@@ -256,6 +260,12 @@ class Coordinator:
                 self._wait(work, what, group, deadline_s)
         finally:
             self.waited_s += time.perf_counter() - start
+
+    def settle_deferred(self) -> None:
+        """Finish a deferred agreement (raising its agreed error, if any) before communicating."""
+        if self.deferred is not None:
+            settle, self.deferred = self.deferred, None
+            settle()
 
     def _wait(self, work: Any, what: str, group: dist.ProcessGroup, deadline_s: float | None) -> None:
         ranks = dist.get_process_group_ranks(group)
@@ -397,6 +407,7 @@ class Coordinator:
                 f"rank {self.rank} cannot start {op}: an earlier operation did not finish on every rank "
                 f"({self.out_of_step}), so the ranks are out of step. Restart every process"
             )
+        self.settle_deferred()
         if len(fingerprints) > FINGERPRINTS:
             raise ValueError(f"at most {FINGERPRINTS} fingerprints per agreement")
         if self.size == 1 and problem is not None:

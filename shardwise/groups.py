@@ -82,7 +82,11 @@ def _group(name: str, topology: Topology | None, helper: str) -> tuple[Any, bool
         raise ConfigError(f"group {name!r} mixes ranks that compute different losses (dp, cp) with ranks that compute "
                           "the same one (tp, pp): no one gradient rule fits both; call the helper once per kind, "
                           "e.g. sw.reduce(sw.reduce(x, 'tp'), 'dp')")
-    ops = FUNCTIONAL if torch.compiler.is_compiling() else polled_ops(found.wait, f"sw.{helper}(group={name!r})")
+    if torch.compiler.is_compiling():
+        ops = FUNCTIONAL
+    else:
+        found.coordinator.settle_deferred()  # the step's agreement, if it runs during the forward: first
+        ops = polled_ops(found.wait, f"sw.{helper}(group={name!r})")
     return group, across == {True}, ops
 
 

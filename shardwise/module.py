@@ -179,7 +179,7 @@ class ParallelModule(nn.Module):
         self._covered = {"optimizer.step", "clip_grad_norm"} if self._checking() else set()
         if self.context_parallel is not None:
             self.context_parallel.reset_traffic()
-        weight = 1.0 if reduce == "tokens" else step.replica_weight  # tokens: set at the last microbatch
+        weight = 1.0 if reduce == "tokens" else step.weight  # tokens: set at the last microbatch
         kept, tokens = [], None
         with self.in_step("train_step"), self.gradients.step(weight) as gradients, self.loss_parallel():
             if self.pipeline is not None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import gc
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,18 +35,41 @@ if TYPE_CHECKING:
     from .module import ParallelModule
 
 
-class StepBatch(NamedTuple):
+@dataclass
+class StepBatch:
     """A batch agreed for one step: `batch` on this rank's device (under cp, this rank's part
     of each sequence), its `microbatches`, this replica's weight relative to an equal share
     (n_replica * dp / n_global), and under cp the factor of each microbatch's loss (see
-    `ContextParallel.loss_weights`; None without cp)."""
+    `ContextParallel.loss_weights`; None without cp).
+
+    `pending`: the agreement (or sample count sum) still running while the forward computes
+    (`overlaps_forward`); `weight()` settles it, raising an agreed error if any rank found one."""
 
     batch: Any
     microbatches: list[Any]
-    replica_weight: float
+    replica_weight: float | None
     loss_weights: list[float] | None
     samples: int = 0  # this replica's
     total_samples: int = 0  # every replica's
+    pending: Callable[[], int] | None = None  # -> the sample total
+    replicas: int = 1
+
+    def weight(self) -> float:
+        if self.pending is not None:
+            settle, self.pending = self.pending, None
+            self.total_samples = settle()
+            self.replica_weight = self.samples * self.replicas / self.total_samples
+        return self.replica_weight
+
+
+def overlaps_forward(pmodel: "ParallelModule", op: str) -> bool:
+    """Whether a step's agreement can run while its forward computes: nothing in that forward
+    communicates (no tp, cp, pp, ZeRO-3 gathers or synchronized batch norm), after the first
+    step (which also checks the model), reducing by mean or sum. The step settles it before its
+    first collective (the gradients' weight, the loss) and a group helper before its own."""
+    topology, config = pmodel.topology, pmodel.config
+    return (pmodel.steps > 1 and op in ("train_step", "train_step(reduce='sum')") and config.zero < 3
+            and topology.size("tp", "cp", "pp") == 1 and not config.sync_batchnorm and pmodel.gradients.sync_enabled)
 
 
 def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, check: bool) -> StepBatch:
@@ -72,25 +96,35 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
             raise problem
         return StepBatch(batch, microbatches, 1.0, loss_weights, samples, samples)
     replicas = topology.size("dp")
+    overlap = overlaps_forward(pmodel, op)
     if check:
         lines = batch_signature(whole) if problem is None else ["(a batch this rank refused)"]
         leader = all(topology.coordinates[d] == 0 for d in ("pp", "cp", "tp"))  # counts its replica's samples once
-        agreement = pmodel.coordinator.agree(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
+        pending = pmodel.coordinator.begin(op, problem, value=samples if leader else 0, fingerprints=[Fingerprint(
             fingerprint_of(lines), lambda: lines, BatchError,
             "Ranks of one replica (its tp, cp and pp ranks) must be given the same batch: slice the data by "
             "sw.data_parallel_info(pmodel), not by global rank", peers=topology.peer_groups("pp", "cp", "tp"))])
-        total = agreement.total
+        settle = lambda: pending.result().total  # noqa: E731
+        if problem is not None:
+            settle()  # raises the agreed error, here as on every rank
     else:
         if problem is not None:
             raise problem
-        total = samples * replicas
+        settle = lambda: samples * replicas  # noqa: E731
         if replicas > 1:
             counted = torch.tensor([samples], dtype=torch.float64, device=topology.device)
             dp = topology.group("dp")
-            pmodel.coordinator.wait(dist.all_reduce(counted, group=dp, async_op=True), f"{op}: sample counts", dp)
-            total = int(counted.item())
-    return StepBatch(batch, microbatches, samples * replicas / total,  # exactly 1.0 when replicas are equal
-                     loss_weights, samples, total)
+            work = dist.all_reduce(counted, group=dp, async_op=True)
+
+            def settle() -> int:
+                pmodel.coordinator.wait(work, f"{op}: sample counts", dp)
+                return int(counted.item())
+    step = StepBatch(batch, microbatches, None, loss_weights, samples, pending=settle, replicas=replicas)
+    if overlap:
+        pmodel.coordinator.deferred = step.weight  # settled before the next collective on any rank
+    else:
+        step.weight()  # exactly 1.0 when replicas are equal
+    return step
 
 
 def check_forward(pmodel: "ParallelModule", args: tuple, kwargs: dict) -> None:

@@ -37,7 +37,6 @@ def from_environment() -> str | None:
 
 def inject(name: str, config: dict) -> None:
     import shardwise.build as build
-    import shardwise.module as module
     import shardwise.parallel.context.sequence as context
     import shardwise.parallel.data.gradients as data
     import shardwise.parallel.pipeline.stages as pipeline
@@ -101,12 +100,16 @@ def inject(name: str, config: dict) -> None:
     elif name == "dropout-per-shard":  # each sequence shard draws its own dropout mask
         tensor.ShardedDropout.forward = lambda mod, x: F.dropout(x, mod.p, mod.training)
     elif name == "replica-weight-ignored":  # replicas weighted equally whatever their sample counts
-        original = module.ParallelModule.agree_on_batch
+        import shardwise.step as step
 
-        def equal(self, *args, **kwargs):
-            return original(self, *args, **kwargs)._replace(replica_weight=1.0)
+        settled = step.StepBatch.weight
 
-        module.ParallelModule.agree_on_batch = equal
+        def equal(self):
+            settled(self)
+            self.replica_weight = 1.0
+            return 1.0
+
+        step.StepBatch.weight = equal
     elif name == "recompute-rng-not-restored":  # the recomputation draws fresh dropout masks
         original_checkpoint = recompute.checkpoint
         recompute.checkpoint = lambda module, **kwargs: original_checkpoint(module, **{**kwargs, "preserve_rng_state": False})

@@ -225,3 +225,36 @@ def test_one_agreement_per_step():
     cases = {(1, 1): [1, 1, 1, 1], (0, 1): [1, 1, 1, 1], (1, 2): [1, 0, 1, 0]}  # (zero, check_every): per step
     for got in sw.testing.run_on_ranks(_agreements_per_step, 2, list(cases)):
         assert dict(zip(cases, got)) == cases
+
+
+def _refused_at_a_later_step(_):
+    """Step 3's agreement runs during the forward (step.overlaps_forward): rank 1's batch is
+    refused there; every rank must raise the same BatchError and train on afterwards."""
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(microbatches=2))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+    index, count = sw.data_parallel_info(pm)
+    batches = [replica_slice(b, index, count) for b in gpt_batches(5, 8)]
+    seen, overlapped, during = [], [], []
+    pm.module.register_forward_pre_hook(lambda m, args: during.append(pm.coordinator.deferred is not None))
+    for i, batch in enumerate(batches):
+        if i == 2 and dist.get_rank() == 1:
+            batch = batch[:3]  # not divisible by microbatches=2: refused by this rank's batch checks only
+        during.clear()
+        try:
+            seen.append(round(float(pm.train_step(batch)), 6))
+            opt.step()
+            opt.zero_grad()
+        except sw.ShardwiseError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+        overlapped.append(all(during) if during else None)  # the agreement still running in every forward
+    return seen, overlapped
+
+
+def test_a_batch_refused_while_the_agreement_overlaps_the_forward():
+    first, second = sw.testing.run_on_ranks(_refused_at_a_later_step, 2, None)
+    assert first[1] == [False, True, True, True, True], first[1]  # the first step agrees before its forward
+    assert second[1] == [False, True, None, True, True], second[1]  # rank 1 refused its batch: no forward
+    assert isinstance(first[0][2], str) and first[0][2] == second[0][2], (first[0][2], second[0][2])
+    assert "rank 1" in first[0][2]
+    assert first[0][:2] + first[0][3:] == second[0][:2] + second[0][3:]  # the same mean loss on both ranks
+    assert all(isinstance(v, float) for v in first[0][3:])  # training goes on

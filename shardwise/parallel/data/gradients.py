@@ -119,6 +119,16 @@ class GradientBuckets:
             bucket.pending = len(bucket.params)
             bucket.work = None
 
+    @property
+    def replica_weight(self) -> float:
+        if callable(self._replica_weight):
+            self._replica_weight = self._replica_weight()
+        return self._replica_weight
+
+    @replica_weight.setter
+    def replica_weight(self, value: float | Callable[[], float]) -> None:
+        self._replica_weight = value
+
     # backward ----------------------------------------------------------------------
     def _move_grad_into_bucket(self, param: nn.Parameter, bucket: Bucket, i: int) -> None:
         """Move `param.grad` (if any) into its bucket slot: the first gradient of a window is
@@ -323,9 +333,10 @@ class GradientBuckets:
         return self._switched_off("auto_finish")
 
     @contextlib.contextmanager
-    def step(self, replica_weight: float) -> Iterator["StepGradients"]:
+    def step(self, replica_weight: float | Callable[[], float]) -> Iterator["StepGradients"]:
         """One training step's gradient accumulation (see `StepGradients`); `replica_weight`
-        is this replica's share relative to an equal one."""
+        is this replica's share relative to an equal one (a callable: read when first needed,
+        by the loss or the first bucket, which lets the step's agreement run during the forward)."""
         self.replica_weight = replica_weight
         with self._manual_finish():
             yield StepGradients(self)
