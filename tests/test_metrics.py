@@ -9,6 +9,7 @@ import json
 import os
 import math
 import resource
+import struct
 import time
 from pathlib import Path
 
@@ -120,10 +121,32 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     logger.log({"step": 7, "loss": 1.625, "global_tokens_per_s": 12345.5, "mfu": None}, 7)
     logger.close()
     (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    data = run.read_bytes()
+    data = b"".join(_wandb_records(run.read_bytes()))
     for text in (b"global_tokens_per_s", b"12345.5", b"loss", b"1.625"):
         assert text in data, text
     assert b"mfu" not in data
+
+
+def _wandb_records(data: bytes) -> list[bytes]:
+    """The records of a .wandb file, reassembled: it is a LevelDB-style log (a 7-byte file header,
+    then 32 KiB blocks of records, each with a 7-byte header: crc, length, type full/first/middle/
+    last), so a key can straddle a block boundary and a raw byte search misses it."""
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, records, part = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding to the end of a block
+            pos += block - pos % block
+            continue
+        assert kind in (1, 2, 3, 4), (kind, pos)
+        part = (b"" if kind in (1, 2) else part) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(part)
+    return records
 
 
 def _traced_step(path: str):
