@@ -40,6 +40,7 @@ from .parallel.tensor.rules import tensor_parallel_rules
 from .parallel.data.zero import OptimizerParams
 from .parallel.data.float8_gather import check_float8_gather, float8_gathered_weights
 from .parallel.data.zero3 import ParameterShards
+from .parallel.expert import apply_expert_parallel, check_expert_parallel
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
 from .state import ModelIndex
@@ -144,6 +145,7 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     recompute_targets(module, config, resolved)
     check_float8_gather(module, config.zero, config.tp)
+    check_expert_parallel(module, config)
     return config, chosen, resolved, layout
 
 
@@ -212,6 +214,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     tensor_parallel = apply_tensor_parallel(module, topology, resolved, sharded_values) if topology.sizes["tp"] > 1 \
         else None
     module.to(topology.device)
+    expert_parallel = apply_expert_parallel(module, topology)
+    experts = expert_parallel.params if expert_parallel is not None else set()
     context_parallel = ContextParallel(topology.group("cp"), config.sequence_dim) if config.cp > 1 else None
     recomputed = apply_recompute(module, config, resolved, tensor_parallel, context_parallel)
     pipeline = None
@@ -226,17 +230,19 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     units = zero3_units(module, plan.parts) if config.zero == 3 else None
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
     gradients = apply_data_parallel(module, topology, config, partial_over_tp, index.tied, units,
-                                    _stages_of_rank(layout, topology.pp_rank), set(float8_gathered))
+                                    _stages_of_rank(layout, topology.pp_rank), set(float8_gathered), experts)
+    if expert_parallel is not None:  # a replica's share of the batch, over the replicas an expert's tokens come from
+        expert_parallel.replica_weight = lambda: gradients.replica_weight / topology.sizes["dp"]
     param_shards = ParameterShards(module, gradients, units, float8_gathered) if config.zero == 3 else None
     optimizer_params = OptimizerParams(module, gradients, topology, fp32_values,
-                                       _first_holders(module, index.tied or {}, topology.pp_rank))
+                                       _first_holders(module, index.tied or {}, topology.pp_rank), experts)
     buffers = None
     if config.broadcast_buffers and topology.size("dp", "cp") > 1 and any(True for _ in module.buffers()):
         buffers = BufferBroadcast(module, topology.group("dp", "cp"), topology.group_ranks("dp", "cp")[0])
     return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
                           pipeline=pipeline, gradients=gradients, param_shards=param_shards,
                           optimizer_params=optimizer_params, recomputed=recomputed,
-                          context_parallel=context_parallel, buffers=buffers)
+                          context_parallel=context_parallel, buffers=buffers, expert_parallel=expert_parallel)
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

@@ -62,6 +62,9 @@ class ParallelConfig:
 
     dp: data-parallel replicas; None means world_size // (tp * pp * cp).
     tp, pp, cp: tensor, pipeline and context parallel degrees.
+    ep: expert parallel degree: each mixture-of-experts layer's experts split over `ep`
+        data-parallel ranks (taken from dp, which it must divide), tokens sent to them by
+        all-to-all (parallel/expert/).
     zero: 0 none, 1 shard optimizer state, 2 + gradients, 3 + parameters.
     microbatches: per `train_step` (gradient accumulation / pipeline microbatches).
     schedule: pipeline schedule name, one of SCHEDULES.
@@ -89,6 +92,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
@@ -106,7 +110,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.dp is not None:
             _check_positive_int("dp", self.dp)
-        for name in ("tp", "pp", "cp", "microbatches", "check_every"):
+        for name in ("tp", "pp", "cp", "ep", "microbatches", "check_every"):
             _check_positive_int(name, getattr(self, name))
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_STAGES:
             raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; use one of the integers {ZERO_STAGES}")
@@ -129,6 +133,11 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")
+        if self.ep > 1:
+            if self.cp > 1 or self.sequence_parallel:
+                other = f"cp={self.cp}" if self.cp > 1 else "sequence_parallel=True"
+                raise ConfigError(f"ep={self.ep} with {other}: experts would receive sequence shards, which shardwise "
+                                  "does not route yet; use ep with dp, tp, pp and ZeRO, or ep=1")
         if not _finite_positive(self.bucket_mb):
             raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, finite, e.g. 25")
         if not _finite_positive(self.timeout_s) or self.timeout_s > MAX_TIMEOUT_S:
@@ -170,15 +179,18 @@ class ParallelConfig:
                 f"{self.dp * mp} ranks but world size is {world_size}; "
                 f"set dp={dp} or dp=None to derive it"
             )
+        if dp % self.ep:
+            raise ConfigError(f"ep={self.ep} does not divide dp={dp}: experts are split over data-parallel ranks "
+                              f"(ep of them hold one copy of every expert); use an ep dividing {dp}")
         return dataclasses.replace(self, dp=dp)
 
     def describe(self) -> str:
         """One line: the degrees and the knobs that differ from their defaults."""
         dp = "auto" if self.dp is None else self.dp
-        parts = [f"dp={dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"]
+        parts = [f"dp={dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         defaults = ParallelConfig()
         for field in dataclasses.fields(self):
-            if field.name in ("dp", "tp", "pp", "cp"):
+            if field.name in ("dp", "tp", "pp", "cp", "ep"):
                 continue
             value = getattr(self, field.name)
             if value != getattr(defaults, field.name):

@@ -25,6 +25,7 @@ from .groups import running
 from .parallel.data.buffers import BufferBroadcast
 from .parallel.context.sequence import ContextParallel
 from .parallel.data.gradients import GradientBuckets
+from .parallel.expert import ExpertParallel
 from .parallel.pipeline.stages import Pipeline
 from .parallel.tensor.sharding import TensorParallel
 from .parallel.data.zero import OptimizerParams
@@ -47,7 +48,8 @@ class ParallelModule(nn.Module):
                  index: ModelIndex, *, gradients: GradientBuckets, optimizer_params: OptimizerParams,
                  tensor_parallel: TensorParallel | None = None, pipeline: Pipeline | None = None,
                  param_shards: ParameterShards | None = None, recomputed: list[str] | None = None,
-                 context_parallel: ContextParallel | None = None, buffers: BufferBroadcast | None = None):
+                 context_parallel: ContextParallel | None = None, buffers: BufferBroadcast | None = None,
+                 expert_parallel: ExpertParallel | None = None):
         super().__init__()
         self.module = module
         self.topology = topology
@@ -58,6 +60,7 @@ class ParallelModule(nn.Module):
         self.tensor_parallel = tensor_parallel
         self.pipeline = pipeline
         self.context_parallel = context_parallel
+        self.expert_parallel = expert_parallel
         self.gradients = gradients
         self.broadcast_buffers = buffers or (lambda: None)  # config.broadcast_buffers (dp or cp > 1, any buffers)
         self.param_shards = param_shards  # ZeRO-3
@@ -165,6 +168,10 @@ class ParallelModule(nn.Module):
 
     def _train_step(self, batch: Any, reduce: str, outputs: bool, measured: Any = None) -> torch.Tensor | StepOutput:
         check_reduce(reduce, outputs, self.pipeline is not None, self.context_parallel is not None)
+        if reduce == "tokens" and self.expert_parallel is not None:
+            raise ConfigError("train_step(reduce='tokens') with ep > 1: expert gradients take each replica's weight "
+                              "where its tokens leave, and the token weights are known only after the last "
+                              "microbatch; use reduce='mean' (or 'sum')")
         if reduce == "tokens" and not self.gradients.sync_enabled:
             raise ConfigError("train_step(reduce='tokens') inside no_sync(): the token total that weights the "
                               "gradients is only known at the synchronizing step; accumulate with microbatches")
@@ -179,6 +186,8 @@ class ParallelModule(nn.Module):
         self._covered = {"optimizer.step", "clip_grad_norm"} if self._checking() else set()
         if self.context_parallel is not None:
             self.context_parallel.reset_traffic()
+        if self.expert_parallel is not None:
+            self.expert_parallel.reset_traffic()
         weight = 1.0 if reduce == "tokens" else step.weight  # tokens: set at the last microbatch
         kept, tokens = [], None
         with self.in_step("train_step"), self.gradients.step(weight) as gradients, self.loss_parallel():

@@ -72,6 +72,8 @@ def summary(pmodel: "ParallelModule", batch: Any = None) -> str:
                    "gradients)" if cp.gathers else "K/V traffic is counted from the first train_step")
         lines.append(f"  context par. sequences split over cp ranks {pmodel.topology.group_ranks('cp')} in "
                      f"{2 * cp.shards.size} load-balanced chunks along dim {cp.sequence_dim}; {traffic}")
+    if pmodel.expert_parallel is not None:
+        lines += pmodel.expert_parallel.describe()
     if pmodel.pipeline is not None:
         pipe = pmodel.pipeline
         lines.append(f"  pipeline    {pipe.layout.num_stages} stages, schedule {pipe.schedule_name}, "

@@ -64,12 +64,13 @@ class StepBatch:
 
 def overlaps_forward(pmodel: "ParallelModule", op: str) -> bool:
     """Whether a step's agreement can run while its forward computes: nothing in that forward
-    communicates (no tp, cp, pp, ZeRO-3 gathers or synchronized batch norm), after the first
+    communicates (no tp, cp, pp, ep, ZeRO-3 gathers or synchronized batch norm), after the first
     step (which also checks the model), reducing by mean or sum. The step settles it before its
     first collective (the gradients' weight, the loss) and a group helper before its own."""
     topology, config = pmodel.topology, pmodel.config
     return (pmodel.steps > 1 and op in ("train_step", "train_step(reduce='sum')") and config.zero < 3
-            and topology.size("tp", "cp", "pp") == 1 and not config.sync_batchnorm and pmodel.gradients.sync_enabled)
+            and topology.size("tp", "cp", "pp") == 1 and config.ep == 1 and not config.sync_batchnorm
+            and pmodel.gradients.sync_enabled)
 
 
 def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, check: bool) -> StepBatch:

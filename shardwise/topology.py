@@ -184,6 +184,24 @@ class Topology:
     cp_rank = _coordinate("cp")
     tp_rank = _coordinate("tp")
 
+    # expert parallelism: ep consecutive data-parallel ranks hold one copy of every expert
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place among the ranks that share out the experts (its ep group)."""
+        return self.dp_rank % self.config.ep
+
+    def expert_ranks(self) -> list[int]:
+        """This rank's ep group: the `ep` consecutive data-parallel ranks that together hold
+        every expert once."""
+        ep, dp = self.config.ep, self.group_ranks("dp")
+        start = self.dp_rank // ep * ep
+        return dp[start:start + ep]
+
+    def expert_replica_ranks(self) -> list[int]:
+        """The data-parallel ranks holding the same experts as this one (every ep-th): where
+        expert gradients are reduced."""
+        return self.group_ranks("dp")[self.ep_rank::self.config.ep]
+
     def size(self, *dims: str) -> int:
         """Number of ranks in this rank's group spanning `dims`."""
         return math.prod(self.sizes[d] for d in canonical_dims(dims))

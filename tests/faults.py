@@ -17,7 +17,7 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
-          "float8-amax-per-shard", "float8-gather-amax-per-shard")
+          "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp")
 
 
 class _NoAllReduce:
@@ -43,7 +43,25 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor.sharding as tensor
 
-    if name == "float8-amax-per-shard":  # each tp rank scales its float8 casts by its own shard's amax
+    if name == "expert-tokens-dropped":  # a capacity limit (factor 1): slots past it on a rank reach no expert
+        import shardwise.parallel.expert.experts as experts
+
+        original_run = experts.ExpertParallel.run
+
+        def capped(self, module, path, hidden, index, weights):
+            capacity = index.numel() // module.num_experts
+            flat = index.reshape(-1).clone()
+            for expert in range(module.num_experts):
+                slots = (flat == expert).nonzero().squeeze(1)
+                flat[slots[capacity:]] = module.num_experts
+            return original_run(self, module, path, hidden, flat.view_as(index), weights)
+
+        experts.ExpertParallel.run = capped
+    elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
+        import shardwise.topology as topology
+
+        topology.Topology.expert_replica_ranks = lambda self: self.group_ranks("dp")
+    elif name == "float8-amax-per-shard":  # each tp rank scales its float8 casts by its own shard's amax
         import shardwise.parallel.tensor.float8 as float8
 
         original_cast = float8._cast

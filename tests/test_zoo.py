@@ -113,7 +113,7 @@ def test_sequence_parallel_variants(world):
 
 
 def test_zoo_lists_its_plans():
-    assert list(sw.plan.zoo) == ["bert", "gpt", "gpt2", "llama", "mistral", "qwen2"]
+    assert list(sw.plan.zoo) == ["bert", "gpt", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe"]
     with pytest.raises(sw.PlanError, match="no zoo plan named 'falcon'; the zoo has bert, gpt, gpt2"):
         sw.plan.zoo["falcon"]
     with pytest.raises(sw.PlanError, match="neither a zoo plan"):

@@ -15,11 +15,12 @@ def _regions(pmodel, piece) -> list[tuple]:
     """(global rect, start, stop, local rect, sub-rect) for each part of a piece."""
     param = piece.param
     placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
+    mesh = param.device_mesh if isinstance(param, DTensor) else None  # tp's, or the ep group's (experts)
+    rank, size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
     local_shape = tuple(local(param).shape)
     out = []
     for rect, a, b in flat_rects(local_shape, piece.start, piece.end):
-        for g, sub in local_to_global(rect, placement, pmodel.topology.tp_rank, pmodel.topology.sizes["tp"],
-                                      tuple(param.shape)):
+        for g, sub in local_to_global(rect, placement, rank, size, tuple(param.shape)):
             out.append((g, a - piece.start, b - piece.start, rect, sub))
     return out
 

@@ -1,4 +1,5 @@
-"""Named plans for well-known models: `plan="gpt"`, `"llama"`, `"qwen2"`, `"mistral"`, `"gpt2"`, `"bert"`.
+"""Named plans for well-known models: `plan="gpt"`, `"llama"`, `"qwen2"`, `"mistral"`, `"mixtral"`,
+`"qwen2_moe"`, `"gpt2"`, `"bert"`.
 
 Each entry builds a `Plan` for a ParallelConfig (the sequence-parallel variant differs:
 norms, dropout and residuals on sequence shards, the sequence gathered where attention or
@@ -49,21 +50,26 @@ def gpt(config: ParallelConfig) -> Plan:
     return Plan(params=params, activations=activations, loss_parallel=["lm_head"], applies_to="GPT", name="gpt")
 
 
-def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool) -> Plan:
+def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool, mlp: str | None = "mlp") -> Plan:
+    """Llama's layout; `mlp`: the dense MLP's path in a layer (None: a mixture of experts only,
+    which tp leaves whole: its experts are split by ep instead)."""
     params = {
         "model.embed_tokens.weight": COL,
         "model.layers.*.self_attn.q_proj.weight": COL,
         "model.layers.*.self_attn.k_proj.weight": COL,
         "model.layers.*.self_attn.v_proj.weight": COL,
         "model.layers.*.self_attn.o_proj.weight": ROW,
-        "model.layers.*.mlp.gate_proj.weight": COL,
-        "model.layers.*.mlp.up_proj.weight": COL,
-        "model.layers.*.mlp.down_proj.weight": ROW,
         "lm_head.weight": COL,
     }
+    if mlp is not None:
+        params.update({f"model.layers.*.{mlp}.gate_proj.weight": COL, f"model.layers.*.{mlp}.up_proj.weight": COL,
+                       f"model.layers.*.{mlp}.down_proj.weight": ROW})
     if bias:  # Qwen2: q/k/v projections have biases
         params.update({f"model.layers.*.self_attn.{p}_proj.bias": COL for p in "qkv"})
     activations = {}
+    if config.sequence_parallel and mlp != "mlp":
+        raise PlanError(f"plan {name!r} has no sequence-parallel variant yet: its mixture-of-experts layers would "
+                        "route sequence shards; use sequence_parallel=False")
     if config.sequence_parallel:
         layer = "model.layers.*"
         activations = {
@@ -96,6 +102,18 @@ def qwen2(config: ParallelConfig) -> Plan:
 def mistral(config: ParallelConfig) -> Plan:
     """transformers MistralForCausalLM."""
     return _llama_like("mistral", "MistralForCausalLM", config, bias=False)
+
+
+def mixtral(config: ParallelConfig) -> Plan:
+    """transformers MixtralForCausalLM: attention, embedding and head as Llama's; the experts
+    whole on each tp rank (split over ep ranks with ParallelConfig(ep=...))."""
+    return _llama_like("mixtral", "MixtralForCausalLM", config, bias=False, mlp=None)
+
+
+def qwen2_moe(config: ParallelConfig) -> Plan:
+    """transformers Qwen2MoeForCausalLM: as Qwen2's, the shared expert as its MLP; the routed
+    experts whole on each tp rank (split over ep ranks with ParallelConfig(ep=...))."""
+    return _llama_like("qwen2_moe", "Qwen2MoeForCausalLM", config, bias=True, mlp="mlp.shared_expert")
 
 
 def gpt2(config: ParallelConfig) -> Plan:
@@ -184,4 +202,5 @@ class Zoo(Mapping):
         return f"zoo plans: {', '.join(self)}"
 
 
-zoo = Zoo({"gpt": gpt, "llama": llama, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "bert": bert})
+zoo = Zoo({"gpt": gpt, "llama": llama, "qwen2": qwen2, "mistral": mistral, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
+           "gpt2": gpt2, "bert": bert})

@@ -29,6 +29,8 @@ class ReduceGroup:
     label: str
     same_params_on_members: bool = True
     includes_tp_peers: bool = False  # its members include every tensor-parallel rank of a parameter
+    weighted_at_origin: bool = False  # the replica weight is already in the gradient (experts: dispatch.py)
+    spans_replicas: bool = True  # every data-parallel replica is a member (so the ReplicaSummary can ride along)
 
     @property
     def size(self) -> int:

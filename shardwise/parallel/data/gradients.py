@@ -88,7 +88,7 @@ class GradientBuckets:
                              nbytes=lambda pr: local(pr[0]).numel() * local(pr[0]).element_size()))
         self.summary = ReplicaSummary(len(params))
         self._summary_in_bucket = (bool(runs) and not zero.grads_sharded and dtype(runs[-1][0][0]) == torch.float32
-                                   and runs[-1][0][1].same_params_on_members)
+                                   and runs[-1][0][1].same_params_on_members and runs[-1][0][1].spans_replicas)
         self.buckets = [
             Bucket(i, [p for p, _ in run], run[0][1], dtype(run[0][0]), zero,
                    summary_slots=self.summary.slots if self._summary_in_bucket and i == len(runs) - 1 else 0)
@@ -225,7 +225,7 @@ class GradientBuckets:
         reduce = bucket.reduce
         for hook in self.pre_hooks:
             hook(bucket.grads)
-        bucket.buffer.mul_(reduce.scale * self.replica_weight)
+        bucket.buffer.mul_(reduce.scale * (1.0 if reduce.weighted_at_origin else self.replica_weight))
         if bucket.summary_slots:
             bucket.summary.copy_(self.summary.pack(self._used, reduce.size, bucket.device))
         if bucket.sharded:
@@ -421,7 +421,8 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
                         tied: dict[str, list[int]] | None = None,
                         units: dict[str, int] | None = None,
                         stages: dict[str, int] | None = None,
-                        float8_gathered: set[int] | None = None) -> GradientBuckets:
+                        float8_gathered: set[int] | None = None,
+                        experts: set[int] | None = None) -> GradientBuckets:
     """Make the replicas of `module` start identical and average their gradients.
 
     Parameters and buffers (local shards) are broadcast from the first data-parallel rank;
@@ -437,11 +438,14 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
             pipeline stage. A bucket never spans two gathers or two stages.
         float8_gathered: ids of weights ZeRO-3 gathers as float8 (float8_gather.py): in
             buckets of their own.
+        experts: ids of expert shards (parallel/expert/): summed over the ranks holding the
+            same experts, already weighted and scaled where their tokens came from.
     Returns:
         The gradient executor, its buckets laid out and hooked to the parameters.
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {})
+    experts = experts or set()
+    dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {}, experts)
     unit_of = _owner_labels(module, units or {})
     stage_of = _owner_labels(module, stages or {})
     float8_gathered = float8_gathered or set()
@@ -450,23 +454,32 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
     buckets = GradientBuckets(params, groups, bucket_bytes, replicas=dp, zero=ZeroStage(config.zero),
                               reduce_dtype=config.reduce_dtype or config.param_dtype, apart=apart)
     buckets.coordinator = topology.coordinator
-    state = [local(t) for t in list(module.parameters()) + list(module.buffers())]
+    state = [local(t) for t in list(module.parameters()) + list(module.buffers()) if id(t) not in experts]
     broadcast_tensors([t.data for t in state], dp.group, bucket_bytes, buckets.stats)
+    if experts:  # each ep group's shards came from its first rank: make every ep group the first one's
+        expert_group = next(g for p, g in zip(params, groups) if id(p) in experts)
+        broadcast_tensors([local(p).data for p in module.parameters() if id(p) in experts], expert_group.group,
+                          bucket_bytes, buckets.stats)
     for group in dict.fromkeys(g for g in groups if not g.same_params_on_members):  # tied copies start equal
         broadcast_tensors([local(p).data for p, g in zip(params, groups) if g == group], group.group, bucket_bytes)
     return buckets
 
 
 def _reduce_groups(module: nn.Module, topology: Topology, params: list[nn.Parameter], partial: set[int],
-                   tied: dict[str, list[int]]) -> tuple[ReduceGroup, list[ReduceGroup]]:
+                   tied: dict[str, list[int]], experts: set[int]) -> tuple[ReduceGroup, list[ReduceGroup]]:
     """The replicas' group, and each parameter's: the replicas (mean); with tp too for a
-    gradient partial over tp (sum over tp); with the other pipeline ranks for a tied one."""
+    gradient partial over tp (sum over tp); with the other pipeline ranks for a tied one; the
+    ranks holding the same experts for an expert shard (sum)."""
     dp_dims = ("dp", "cp")
     scale = 1.0 / topology.size(*dp_dims)
     dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", includes_tp_peers=topology.sizes["tp"] == 1)
     tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
+    expert_group = ReduceGroup(topology.group_of(topology.expert_replica_ranks()), 1.0, "dp ranks holding these experts",
+                               includes_tp_peers=True, weighted_at_origin=True, spans_replicas=False) if experts else None
 
     def group_of(param: nn.Parameter) -> ReduceGroup:
+        if id(param) in experts:
+            return expert_group
         dims = dp_dims + (("tp",) if id(param) in partial else ())
         holders = tied_ids.get(id(param))
         if holders is None:

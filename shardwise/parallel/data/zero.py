@@ -50,7 +50,7 @@ class OptimizerParams:
     """The optimizer-facing parameters for ZeRO and/or mixed precision."""
 
     def __init__(self, module: nn.Module, gradients: GradientBuckets, topology: Topology,
-                 fp32_values: dict[int, torch.Tensor], first_holder: dict[int, bool]):
+                 fp32_values: dict[int, torch.Tensor], first_holder: dict[int, bool], experts: set[int] = frozenset()):
         self.gradients = gradients
         self.topology = topology
         self.zero = zero = gradients.zero
@@ -73,7 +73,8 @@ class OptimizerParams:
                 self.pieces[id(param)] = list(self._shard_pieces(param, bucket, i, fp32_values.get(id(param)),
                                                                  counted=includes_tp_peers or not replicated_copy))
             else:
-                counted = not replicated_copy and first_holder.get(id(param), True) and topology.dp_rank == 0 \
+                first_replica = topology.dp_rank < topology.config.ep if id(param) in experts else topology.dp_rank == 0
+                counted = not replicated_copy and first_holder.get(id(param), True) and first_replica \
                     and topology.cp_rank == 0
                 self.pieces[id(param)] = [self._whole_piece(param, slot.get(id(param)), fp32_values.get(id(param)),
                                                             counted)]

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ...batch import loss_of
 from ...errors import ModelError
 from ...tensors import is_kv_cache, op_name, tensor_leaves
+from ..expert.experts import grouped_experts
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,15 @@ def fake_shadow(module: nn.Module, fake_mode: FakeTensorMode | None) -> tuple[nn
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
     else:
         memo = {id(t): t for t in tensors}
-    return copy.deepcopy(module, memo), fake_mode
+    shadow = copy.deepcopy(module, memo)
+    for experts in grouped_experts(shadow).values():  # their token grouping has data-dependent shapes, which
+        experts.forward = _same_shape  # fake tensors cannot run; a capture needs only the output's shape
+    return shadow, fake_mode
+
+
+def _same_shape(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A mixture-of-experts layer's output as far as the capture sees it: its input's shape."""
+    return torch.zeros_like(hidden_states)
 
 
 class _Recorder(TorchDispatchMode):

@@ -1,0 +1,212 @@
+"""Expert parallelism on tiny Hugging Face mixtures of experts (Mixtral, Qwen2-MoE) against one
+process: experts split over ep ranks, tokens sent to them by all-to-all, nothing dropped.
+
+Routing is discontinuous: a token whose k-th and (k+1)-th router logits were within rounding
+of each other could pick another expert in one run than in the other, and no gradient bound
+would then hold. So each reference run first shows that no such token exists (`routing_margin`):
+a logit is a sum of n = 32 products whose inputs come from the forward (the D ≈ 52 dependent
+reductions of parity.py), so two evaluations differ by at most 2·EPS_LOSS·M, M = Σ|w·h| the
+magnitudes it sums (parity.py's derivation of EPS_LOSS); parameters entering later steps differ
+by the SGD bound, of the same order, so a gap above 4·EPS_LOSS·M cannot flip. The routers start
+from N(0, 1) weights (seed 3) so that every token of every step clears it (by 2.1x at least on
+the machine that chose the seed; the reference itself moves by at most a quarter of the margin
+from one machine to another).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+import shardwise as sw
+from parity import EPS_LOSS, Case, compare_cases, corpus_batches, reference_run, run_and_compare
+from shardwise.parallel.expert import check_expert_parallel
+from test_zoo import EndToEnd
+
+ROUTER_SEED = 3
+
+
+def make_moe(kind: str, experts: int = 4, aux_loss: bool = False) -> EndToEnd:
+    torch.manual_seed(0)
+    t = transformers
+    common = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux_loss)
+    if kind == "mixtral":
+        model = t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=32, num_local_experts=experts, **common))
+    else:
+        model = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=32, num_experts=experts,
+            decoder_sparse_step=1, **common))
+    generator = torch.Generator().manual_seed(ROUTER_SEED)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+    return EndToEnd(model)
+
+
+def moe_batches(steps: int = 4) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": t, "labels": t.clone()} for t in corpus_batches(steps, 4, seq=8)]
+
+
+def routing_margin(factory, batches) -> float:
+    """The smallest (k-th minus (k+1)-th router logit) / (4·EPS_LOSS·M) over every token, layer
+    and step of the one-process run; above 1, no run within rounding routes differently."""
+    ratios = []
+
+    def record(router, args, out):
+        hidden, logits = args[0].reshape(-1, router.hidden_dim).detach(), out[0].detach()
+        top = logits.sort(-1, descending=True).values
+        gap = top[:, router.top_k - 1] - top[:, router.top_k]
+        magnitude = (hidden.abs() @ router.weight.detach().abs().T).max(-1).values
+        ratios.append(float((gap / (4 * EPS_LOSS * magnitude)).min()))
+
+    def loss(model, batch):
+        hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        try:
+            return model(batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    reference_run(factory, batches, loss=loss)
+    return min(ratios)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_routing_clears_rounding(kind):
+    assert routing_margin(functools.partial(make_moe, kind), moe_batches()) > 1.0
+
+
+EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
+    2: {"ep2": ({"ep": 2}, "sgd", False)},
+    4: {"ep4": ({"ep": 4}, "sgd", False), "ep2 x dp2": ({"ep": 2}, "sgd", False),
+        "ep2 x tp2": ({"ep": 2, "tp": 2}, "sgd", True), "ep2 x pp2": ({"ep": 2, "pp": 2, "microbatches": 2}, "sgd", False),
+        "ep2 x dp2 zero1": ({"ep": 2, "zero": 1}, "adamw", False), "ep4 zero2": ({"ep": 4, "zero": 2}, "adamw", False),
+        "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, "adamw", False)},
+}
+
+
+@pytest.mark.parametrize("world", sorted(EP_LAYOUTS))
+def test_expert_parallel_parity(world):
+    """Losses, whole gradients and parameters after 4 steps equal one process's (AdamW where
+    ZeRO shards its state); under tp the zoo plan shards attention, the experts stay whole."""
+    cases = [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(), optimizer=optimizer,
+                  plan=kind if planned else None)
+             for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer, planned) in EP_LAYOUTS[world].items()]
+    compare_cases(world, cases)
+
+
+def _sharded_and_checkpointed(path: str):
+    """ep=4: each rank holds a quarter of every expert tensor; the summary shows the step's
+    all-to-all bytes and per-expert loads; a checkpoint saved at ep=4 loads at ep=2 and with the
+    experts replicated."""
+    import torch.distributed as dist
+
+    batch = moe_batches(1)[0]
+    pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(ep=4))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    rank = dist.get_rank()
+    pm.train_step({k: v[rank:rank + 1] for k, v in batch.items()})
+    experts = pm.module.lm.model.layers[0].mlp.experts
+    shapes = {name: tuple(p.to_local().shape) for name, p in experts.named_parameters()}
+    text, sent = pm.summary(), pm.expert_parallel.bytes_sent
+    opt.step()
+    sw.save_checkpoint(path, pm, opt)
+    saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    same = []
+    for config in (sw.ParallelConfig(ep=2), sw.ParallelConfig()):  # experts over 2 ranks, and replicated
+        other = sw.parallelize(make_moe("mixtral"), config)
+        sw.load_checkpoint(path, other)
+        loaded = other.full_state_dict()
+        same.append(saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved))
+    return shapes, text, sent, same
+
+
+def _slots_leaving_their_rank(model, batch) -> int:
+    """One process's routing of `batch` (row r on rank r at ep=4, expert e on rank e): the
+    token slots whose expert is on another rank, over every layer."""
+    leaving = []
+
+    def record(router, args, out):
+        experts = out[2].view(batch["input_ids"].shape[0], -1, router.top_k)  # (rows, positions, k)
+        rows = torch.arange(experts.shape[0]).view(-1, 1, 1)
+        leaving.append(int((experts != rows).sum()))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    with torch.no_grad():
+        model(batch)
+    for hook in hooks:
+        hook.remove()
+    return sum(leaving)
+
+
+def test_experts_sharded_summarized_and_checkpointed_across_ep(tmp_path):
+    leaving = _slots_leaving_their_rank(make_moe("mixtral"), moe_batches(1)[0])
+    results = sw.testing.run_on_ranks(_sharded_and_checkpointed, 4, str(tmp_path / "ckpt"))
+    # each slot that leaves its rank goes out as 32 floats and comes back as 32 more
+    assert sum(sent for _, _, sent, _ in results) == leaving * 2 * 32 * 4 > 0
+    for rank, (shapes, text, sent, same) in enumerate(results):
+        assert shapes == {"gate_up_proj": (1, 64, 32), "down_proj": (1, 32, 32)}, shapes
+        assert "2 MoE layer(s), 4 experts over ep ranks [0, 1, 2, 3]" in text and f"experts {rank}-{rank} here" in text
+        assert f"{sent / 2 ** 20:.4f} MiB sent to other ranks by all-to-all" in text, text
+        assert "token slots per local expert" in text
+        assert same == [True, True]
+
+
+def _unequal_replicas(kind: str):
+    """Rank 0 trains on 3 samples, rank 1 on 1: expert gradients must weight each replica's
+    tokens by its share as the dense ones do (what one process computes on all 4)."""
+    import torch.distributed as dist
+
+    pm = sw.parallelize(make_moe(kind), sw.ParallelConfig(ep=2))
+    batch = moe_batches(1)[0]
+    rows = slice(0, 3) if dist.get_rank() == 0 else slice(3, 4)
+    loss = pm.train_step({k: v[rows] for k, v in batch.items()})
+    return float(loss), pm.full_grad_dict()
+
+
+@pytest.mark.parametrize("kind", ["mixtral"])
+def test_unequal_replicas_weight_expert_gradients(kind):
+    from parity import EPS_GRAD, module_scales
+
+    model = make_moe(kind)
+    batch = moe_batches(1)[0]
+    model(batch).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    scales = module_scales(want)
+    for loss, grads in sw.testing.run_on_ranks(_unequal_replicas, 2, kind):
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            assert (grad - want[name]).abs().max() <= EPS_GRAD * scales[name], name
+
+
+@pytest.mark.parametrize("fault", ["expert-tokens-dropped", "expert-grads-over-dp"])
+def test_expert_parity_fails_under_fault(fault):
+    """A capacity limit that drops token slots (as capacity-factor routers do), or expert
+    gradients summed over every data-parallel rank instead of those holding the same experts."""
+    factory = functools.partial(make_moe, "mixtral")
+    with pytest.raises(AssertionError):
+        run_and_compare(4, {"ep": 2}, factory, moe_batches(), fault=fault)
+
+
+def test_refusals():
+    with pytest.raises(sw.ConfigError, match="ep=2 does not divide dp=3"):
+        sw.ParallelConfig(ep=2).resolve(3)
+    with pytest.raises(sw.ConfigError, match="experts would receive sequence shards"):
+        sw.ParallelConfig(ep=2, cp=2)
+    with pytest.raises(sw.ConfigError, match="experts would receive sequence shards"):
+        sw.ParallelConfig(ep=2, tp=2, sequence_parallel=True)
+    with pytest.raises(sw.PlanError, match="no sequence-parallel variant yet"):
+        sw.plan.zoo["mixtral"](sw.ParallelConfig(tp=2, sequence_parallel=True))
+    with pytest.raises(sw.ConfigError, match="ep=4 does not divide the 6 experts"):
+        check_expert_parallel(make_moe("mixtral", experts=6), sw.ParallelConfig(ep=4))
+    with pytest.raises(sw.ConfigError, match="load-balancing loss"):
+        check_expert_parallel(make_moe("mixtral", aux_loss=True), sw.ParallelConfig(ep=2))
+    from test_zoo import make
+
+    with pytest.raises(sw.ConfigError, match="no mixture-of-experts layer"):
+        check_expert_parallel(make("llama"), sw.ParallelConfig(ep=2))
