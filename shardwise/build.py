@@ -40,7 +40,7 @@ from .parallel.tensor.rules import tensor_parallel_rules
 from .parallel.data.zero import OptimizerParams
 from .parallel.data.float8_gather import check_float8_gather, float8_gathered_weights
 from .parallel.data.zero3 import ParameterShards
-from .parallel.expert import apply_expert_parallel, check_expert_parallel
+from .parallel.expert import apply_expert_parallel, apply_router_logits_over_replicas, check_expert_parallel
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
 from .state import ModelIndex
@@ -233,6 +233,9 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                                     _stages_of_rank(layout, topology.pp_rank), set(float8_gathered), experts)
     if expert_parallel is not None:  # a replica's share of the batch, over the replicas an expert's tokens come from
         expert_parallel.replica_weight = lambda: gradients.replica_weight / topology.sizes["dp"]
+    router_logits = apply_router_logits_over_replicas(module, topology)
+    if router_logits is not None:
+        router_logits.replica_weight = lambda: gradients.replica_weight
     param_shards = ParameterShards(module, gradients, units, float8_gathered) if config.zero == 3 else None
     optimizer_params = OptimizerParams(module, gradients, topology, fp32_values,
                                        _first_holders(module, index.tied or {}, topology.pp_rank), experts)
@@ -242,7 +245,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
                           pipeline=pipeline, gradients=gradients, param_shards=param_shards,
                           optimizer_params=optimizer_params, recomputed=recomputed,
-                          context_parallel=context_parallel, buffers=buffers, expert_parallel=expert_parallel)
+                          context_parallel=context_parallel, buffers=buffers, expert_parallel=expert_parallel,
+                          router_logits=router_logits)
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

@@ -25,7 +25,7 @@ from .groups import running
 from .parallel.data.buffers import BufferBroadcast
 from .parallel.context.sequence import ContextParallel
 from .parallel.data.gradients import GradientBuckets
-from .parallel.expert import ExpertParallel
+from .parallel.expert import ExpertParallel, RouterLogitsOverReplicas
 from .parallel.pipeline.stages import Pipeline
 from .parallel.tensor.sharding import TensorParallel
 from .parallel.data.zero import OptimizerParams
@@ -49,7 +49,7 @@ class ParallelModule(nn.Module):
                  tensor_parallel: TensorParallel | None = None, pipeline: Pipeline | None = None,
                  param_shards: ParameterShards | None = None, recomputed: list[str] | None = None,
                  context_parallel: ContextParallel | None = None, buffers: BufferBroadcast | None = None,
-                 expert_parallel: ExpertParallel | None = None):
+                 expert_parallel: ExpertParallel | None = None, router_logits: RouterLogitsOverReplicas | None = None):
         super().__init__()
         self.module = module
         self.topology = topology
@@ -61,6 +61,7 @@ class ParallelModule(nn.Module):
         self.pipeline = pipeline
         self.context_parallel = context_parallel
         self.expert_parallel = expert_parallel
+        self.router_logits = router_logits  # a load-balancing loss's router logits gathered over dp (forward communicates)
         self.gradients = gradients
         self.broadcast_buffers = buffers or (lambda: None)  # config.broadcast_buffers (dp or cp > 1, any buffers)
         self.param_shards = param_shards  # ZeRO-3

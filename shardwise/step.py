@@ -69,7 +69,8 @@ def overlaps_forward(pmodel: "ParallelModule", op: str) -> bool:
     first collective (the gradients' weight, the loss) and a group helper before its own."""
     topology, config = pmodel.topology, pmodel.config
     return (pmodel.steps > 1 and op in ("train_step", "train_step(reduce='sum')") and config.zero < 3
-            and topology.size("tp", "cp", "pp") == 1 and config.ep == 1 and not config.sync_batchnorm
+            and topology.size("tp", "cp", "pp") == 1 and config.ep == 1 and pmodel.router_logits is None
+            and not config.sync_batchnorm
             and pmodel.gradients.sync_enabled)
 
 

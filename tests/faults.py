@@ -17,7 +17,8 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "tied-not-summed", "dropout-per-shard", "replica-weight-ignored", "recompute-rng-not-restored",
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
-          "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp")
+          "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp",
+          "aux-loss-per-replica")
 
 
 class _NoAllReduce:
@@ -57,6 +58,8 @@ def inject(name: str, config: dict) -> None:
             return original_run(self, module, path, hidden, flat.view_as(index), weights)
 
         experts.ExpertParallel.run = capped
+    elif name == "aux-loss-per-replica":  # the load-balancing loss over each replica's own tokens
+        build.apply_router_logits_over_replicas = lambda *args, **kwargs: None
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
         import shardwise.topology as topology
 

@@ -76,9 +76,10 @@ def routing_margin(factory, batches) -> float:
     return min(ratios)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_routing_clears_rounding(kind):
-    assert routing_margin(functools.partial(make_moe, kind), moe_batches()) > 1.0
+@pytest.mark.parametrize("kind, aux_loss", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True),
+                                            ("qwen2_moe", True)])
+def test_routing_clears_rounding(kind, aux_loss):
+    assert routing_margin(functools.partial(make_moe, kind, aux_loss=aux_loss), moe_batches()) > 1.0
 
 
 EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
@@ -90,13 +91,19 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
 }
 
 
+AUX_LAYOUTS = {2: {"dp2": {}}, 4: {"ep2 x dp2": {"ep": 2}, "ep4": {"ep": 4}}}  # the loss over the whole batch
+
+
 @pytest.mark.parametrize("world", sorted(EP_LAYOUTS))
 def test_expert_parallel_parity(world):
     """Losses, whole gradients and parameters after 4 steps equal one process's (AdamW where
-    ZeRO shards its state); under tp the zoo plan shards attention, the experts stay whole."""
+    ZeRO shards its state); under tp the zoo plan shards attention, the experts stay whole. With
+    transformers' load-balancing loss too: over the whole batch, not each replica's."""
     cases = [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(), optimizer=optimizer,
                   plan=kind if planned else None)
              for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer, planned) in EP_LAYOUTS[world].items()]
+    cases += [Case(f"{kind} {name} load-balancing loss", config, functools.partial(make_moe, kind, aux_loss=True),
+                   moe_batches()) for kind in ("mixtral", "qwen2_moe") for name, config in AUX_LAYOUTS[world].items()]
     compare_cases(world, cases)
 
 
@@ -157,38 +164,43 @@ def test_experts_sharded_summarized_and_checkpointed_across_ep(tmp_path):
         assert same == [True, True]
 
 
-def _unequal_replicas(kind: str):
+def _unequal_replicas(kind: str, aux_loss: bool):
     """Rank 0 trains on 3 samples, rank 1 on 1: expert gradients must weight each replica's
-    tokens by its share as the dense ones do (what one process computes on all 4)."""
+    tokens by its share as the dense ones do (what one process computes on all 4); the
+    load-balancing loss gathers 24 router rows from one rank and 8 from the other."""
     import torch.distributed as dist
 
-    pm = sw.parallelize(make_moe(kind), sw.ParallelConfig(ep=2))
+    pm = sw.parallelize(make_moe(kind, aux_loss=aux_loss), sw.ParallelConfig(ep=2))
     batch = moe_batches(1)[0]
     rows = slice(0, 3) if dist.get_rank() == 0 else slice(3, 4)
     loss = pm.train_step({k: v[rows] for k, v in batch.items()})
     return float(loss), pm.full_grad_dict()
 
 
-@pytest.mark.parametrize("kind", ["mixtral"])
-def test_unequal_replicas_weight_expert_gradients(kind):
+@pytest.mark.parametrize("kind, aux_loss", [("mixtral", False), ("qwen2_moe", True)])
+def test_unequal_replicas_weight_expert_gradients(kind, aux_loss):
     from parity import EPS_GRAD, module_scales
 
-    model = make_moe(kind)
+    model = make_moe(kind, aux_loss=aux_loss)
     batch = moe_batches(1)[0]
-    model(batch).backward()
+    out = model(batch)
+    out.backward()
+    want_loss = float(out.detach())
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     scales = module_scales(want)
-    for loss, grads in sw.testing.run_on_ranks(_unequal_replicas, 2, kind):
+    for loss, grads in sw.testing.run_on_ranks(_unequal_replicas, 2, kind, aux_loss):
+        assert abs(loss - want_loss) <= EPS_LOSS * want_loss
         assert grads.keys() == want.keys()
         for name, grad in grads.items():
             assert (grad - want[name]).abs().max() <= EPS_GRAD * scales[name], name
 
 
-@pytest.mark.parametrize("fault", ["expert-tokens-dropped", "expert-grads-over-dp"])
+@pytest.mark.parametrize("fault", ["expert-tokens-dropped", "expert-grads-over-dp", "aux-loss-per-replica"])
 def test_expert_parity_fails_under_fault(fault):
-    """A capacity limit that drops token slots (as capacity-factor routers do), or expert
-    gradients summed over every data-parallel rank instead of those holding the same experts."""
-    factory = functools.partial(make_moe, "mixtral")
+    """A capacity limit that drops token slots (as capacity-factor routers do), expert gradients
+    summed over every data-parallel rank instead of those holding the same experts, or the
+    load-balancing loss taken over each replica's tokens."""
+    factory = functools.partial(make_moe, "mixtral", aux_loss=fault == "aux-loss-per-replica")
     with pytest.raises(AssertionError):
         run_and_compare(4, {"ep": 2}, factory, moe_batches(), fault=fault)
 
@@ -204,8 +216,8 @@ def test_refusals():
         sw.plan.zoo["mixtral"](sw.ParallelConfig(tp=2, sequence_parallel=True))
     with pytest.raises(sw.ConfigError, match="ep=4 does not divide the 6 experts"):
         check_expert_parallel(make_moe("mixtral", experts=6), sw.ParallelConfig(ep=4))
-    with pytest.raises(sw.ConfigError, match="load-balancing loss"):
-        check_expert_parallel(make_moe("mixtral", aux_loss=True), sw.ParallelConfig(ep=2))
+    with pytest.raises(sw.ConfigError, match="load-balancing loss .* with tp=2 that is not done yet"):
+        check_expert_parallel(make_moe("mixtral", aux_loss=True), sw.ParallelConfig(ep=2, tp=2))
     from test_zoo import make
 
     with pytest.raises(sw.ConfigError, match="no mixture-of-experts layer"):

@@ -56,10 +56,18 @@ def grouped_experts(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
-    """Refuse what expert parallelism cannot run exactly, before any collective."""
+    """Refuse what expert parallelism (and a load-balancing loss over the whole batch, router.py)
+    cannot run exactly, before any collective."""
+    name = type(module).__name__
+    aux = [m.config for m in module.modules() if getattr(getattr(m, "config", None), "output_router_logits", False)]
+    other = next((f"{d}={getattr(config, d)}" for d in ("tp", "pp", "cp") if getattr(config, d) > 1), None)
+    if aux and other and grouped_experts(module):
+        raise ConfigError(
+            f"{name} adds its load-balancing loss (output_router_logits=True), which shardwise takes over the whole "
+            f"batch by gathering router logits over the data-parallel ranks; with {other} that is not done yet: set "
+            "output_router_logits=False, or train it with dp, ep and ZeRO")
     if config.ep == 1:
         return
-    name = type(module).__name__
     found = grouped_experts(module)
     if not found:
         lists = [p for p, m in module.named_modules() if isinstance(m, nn.ModuleList) and p.split(".")[-1] == "experts"]
@@ -73,14 +81,6 @@ def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
         if experts.num_experts % config.ep:
             raise ConfigError(f"ep={config.ep} does not divide the {experts.num_experts} experts of {path!r}: "
                               f"use an ep that divides {experts.num_experts}")
-    configs = [m.config for m in module.modules() if getattr(getattr(m, "config", None), "output_router_logits", False)]
-    model_config = configs[0] if configs else None
-    if model_config is not None and getattr(model_config, "router_aux_loss_coef", 0):
-        raise ConfigError(
-            f"{name} adds its load-balancing loss (output_router_logits=True, router_aux_loss_coef="
-            f"{model_config.router_aux_loss_coef}): it is a product of two means over the batch, which each replica "
-            "would take over its own tokens only, a different loss from one process's. Set "
-            "config.output_router_logits=False (the default) with ep > 1")
 
 
 class ExpertParallel:

@@ -1,0 +1,107 @@
+"""A mixture of experts' load-balancing loss over the whole batch, as one process takes it.
+
+transformers' auxiliary loss (Switch Transformer's: num_experts · Σ_e f_e · P_e, f_e the share
+of token slots routed to expert e, P_e the mean router probability of e) is a product of two
+means over the batch, so a replica that takes it over its own tokens computes another loss:
+no averaging of replicas' losses gives one process's. transformers computes it from every
+router's logits, recorded by forward hooks on the routers. Here a hook that runs before
+those replaces each router's recorded logits with the logits of every data-parallel replica,
+concatenated in rank order (the router's routing itself is unchanged), so each rank's loss
+holds the whole batch's auxiliary loss. Its backward sums the ranks' gradients into each
+replica's own rows (divided by the replica's weight, which its gradient buckets apply again:
+the replicas' losses are combined with those weights, which sum to one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...compat import all_gather_single, reduce_scatter_single
+from ...errors import ModelError
+from ...topology import Topology
+from .experts import grouped_experts
+
+
+class _RowsOverReplicas(torch.autograd.Function):
+    """Every rank's rows concatenated (ranks may hold different numbers); backward: the sum of
+    every rank's gradient for this rank's rows, divided by `weight()`."""
+
+    @staticmethod
+    def forward(ctx, x, group, wait, weight):
+        size = dist.get_world_size(group)
+        counts = torch.tensor([x.shape[0]], device=x.device)
+        every = counts.new_empty(size)
+        wait(all_gather_single(every, counts, group=group, async_op=True), "all-gather of router logit rows", group)
+        rows = every.tolist()
+        most = max(rows)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        gathered = x.new_empty((size * most, *x.shape[1:]))
+        wait(all_gather_single(gathered, padded.contiguous(), group=group, async_op=True),
+             "all-gather of router logits", group)
+        ctx.args = (group, wait, weight, rows, dist.get_rank(group))
+        return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(rows)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, wait, weight, rows, rank = ctx.args
+        most = max(rows)
+        padded = grad.new_zeros((len(rows) * most, *grad.shape[1:]))
+        start = 0
+        for r, n in enumerate(rows):
+            padded[r * most:r * most + n] = grad[start:start + n]
+            start += n
+        mine = grad.new_empty((most, *grad.shape[1:]))
+        wait(reduce_scatter_single(mine, padded, group=group, async_op=True),
+             "reduce-scatter of router logit gradients", group)
+        w = weight()
+        out = mine[:rows[rank]]
+        return (out if w == 1.0 else out / w), None, None, None
+
+
+def routers(module: nn.Module) -> dict[str, nn.Module]:
+    """Path -> router, for each mixture-of-experts block holding grouped experts and a `gate`."""
+    experts = {id(m) for m in grouped_experts(module).values()}
+    found = {}
+    for path, block in module.named_modules():
+        gate, held = getattr(block, "gate", None), getattr(block, "experts", None)
+        if isinstance(gate, nn.Module) and id(held) in experts:
+            found[f"{path}.gate" if path else "gate"] = gate
+    return found
+
+
+def records_router_logits(module: nn.Module) -> bool:
+    """Whether a transformers model inside `module` adds the load-balancing loss."""
+    return any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in module.modules())
+
+
+class RouterLogitsOverReplicas:
+    """The hooks that make each router's recorded logits the whole data-parallel batch's."""
+
+    def __init__(self, module: nn.Module, topology: Topology):
+        self.group = topology.group("dp")
+        self.wait = topology.wait
+        self.replica_weight: Callable[[], float] = lambda: 1.0  # set by build once the gradient buckets exist
+        self.routers = routers(module)
+        for path, router in self.routers.items():
+            router.register_forward_hook(self._hook(path), prepend=True)
+
+    def _hook(self, path: str):
+        def whole_batch(router: nn.Module, args: Any, out: Any) -> Any:
+            if not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor) or out[0].dim() != 2:
+                raise ModelError(f"router {path!r} ({type(router).__name__}) did not return (logits [tokens, "
+                                 "experts], ...) as transformers' routers do, so its load-balancing loss cannot be "
+                                 "taken over the whole batch; set output_router_logits=False")
+            return (_RowsOverReplicas.apply(out[0], self.group, self.wait, self.replica_weight), *out[1:])
+        return whole_batch
+
+
+def apply_router_logits_over_replicas(module: nn.Module, topology: Topology) -> RouterLogitsOverReplicas | None:
+    """The hooks, where a model records router logits for its load-balancing loss and dp > 1."""
+    if topology.sizes["dp"] == 1 or not records_router_logits(module) or not routers(module):
+        return None
+    return RouterLogitsOverReplicas(module, topology)
