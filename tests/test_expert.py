@@ -222,3 +222,48 @@ def test_refusals():
 
     with pytest.raises(sw.ConfigError, match="no mixture-of-experts layer"):
         check_expert_parallel(make("llama"), sw.ParallelConfig(ep=2))
+
+
+def _model_states(configs: list[dict]) -> list[dict[str, int]]:
+    """Bytes this rank holds after a step with AdamW: parameters, gradients, optimizer state."""
+    import torch.distributed as dist
+
+    out = []
+    for config in configs:
+        pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(**config))
+        opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+        rows = slice(dist.get_rank() // 4 * 0, 4) if pm.topology.sizes["dp"] == 1 else slice(pm.topology.dp_rank,
+                                                                                               pm.topology.dp_rank + 1)
+        pm.train_step({k: v[rows] for k, v in moe_batches(1)[0].items()})
+        opt.step()
+        out.append(pm.memory())
+    return out
+
+
+def test_planner_knows_experts():
+    """The planner reads a mixture of experts from the module or its config alike, splits
+    expert states over ep (ZeRO over dp / ep), and predicts each rank's model states as the
+    executor holds them; its all-to-all term follows the formula."""
+    from shardwise.planner import Cluster, model_spec
+    from shardwise.planner.model import from_hf_config
+
+    for kind in ("mixtral", "qwen2_moe"):
+        model = make_moe(kind)
+        spec = model_spec(model)
+        assert spec == from_hf_config(model.lm.config)
+        assert spec.params == sum(p.numel() for p in model.parameters()) and spec.experts == 4 and spec.top_k == 2
+    cluster = Cluster(gpus=4, device="local", memory_bytes=2 ** 34)
+    configs = [{"ep": 2}, {"ep": 4}, {"ep": 2, "zero": 1}, {"ep": 2, "zero": 3}, {}]
+    measured = sw.testing.run_on_ranks(_model_states, 4, configs)
+    for i, config in enumerate(configs):
+        predicted = sw.plan.evaluate(make_moe("mixtral"), cluster, sw.ParallelConfig(**config), seq_len=8,
+                                     global_batch=4)
+        terms = predicted.memory_terms
+        for rank in measured:
+            held = rank[i]
+            for ours, theirs in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer")):
+                assert abs(terms[ours] - held[theirs]) <= 0.01 * held[theirs], (config, ours, terms[ours], held)
+    one, four = (sw.plan.evaluate("mixtral-8x7b", Cluster(gpus=64, gpus_per_node=8, device="h100"),
+                                  sw.ParallelConfig(tp=8, ep=ep), seq_len=4096, global_batch=64) for ep in (1, 8))
+    assert one.time_terms["ep_comm"] == 0 and four.time_terms["ep_comm"] > 0
+    assert four.memory_terms["params"] < one.memory_terms["params"]

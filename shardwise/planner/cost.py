@@ -23,7 +23,9 @@ Time: compute (training FLOPs 6N + 6Lhs per token, + a forward under full recomp
 `EFFICIENCY` of peak), tensor-parallel collectives (4 per block and microbatch, 6 under
 full recompute; ring all-reduce moves 2(n-1)/n of the bytes, all-gather/reduce-scatter
 (n-1)/n), context-parallel K/V all-gathers (forward, backward re-gather, gradient
-reduce-scatter), pipeline p2p on the critical path, the bubble (p-1)/(v*m) of the
+reduce-scatter), expert-parallel all-to-alls (each token's top_k slots out and back, forward
+and backward, (ep-1)/ep of them to other ranks; experts whole on every tp rank, so their
+FLOPs count tp times on a rank, and their states split over ep, ZeRO over dp/ep), pipeline p2p on the critical path, the bubble (p-1)/(v*m) of the
 pipelined time (v = 1 for GPipe and 1F1B; a third of it for zero-bubble, whose split
 backward fills most of it), and the data-parallel gradient reduction (ZeRO-3: parameter
 all-gathers per microbatch too) beyond what overlaps the last backward.
@@ -68,6 +70,7 @@ class Layout:
     schedule: np.ndarray  # SCHEDULE_CODES
     virtual: np.ndarray
     param_bytes: np.ndarray  # 2 (bf16) or 4 (fp32)
+    ep: np.ndarray | float = 1.0  # experts split over this many of the dp ranks
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Cost:
     recompute: np.ndarray
     tp_comm: np.ndarray
     cp_comm: np.ndarray
+    ep_comm: np.ndarray
     pp_comm: np.ndarray
     bubble: np.ndarray
     dp_comm: np.ndarray
@@ -99,7 +103,7 @@ class Cost:
 
     @property
     def step_seconds(self) -> np.ndarray:
-        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble
+        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble
                 + self.dp_comm)
 
 
@@ -110,8 +114,12 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     sbh = tokens * h
     kv = spec.kv_heads / spec.heads
     attention = 2 + 2 * kv  # q, k, v (after rotary), attention output
-    mlp = (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
-    ups = (2 if spec.mlp == "swiglu" else 1) * spec.ffn / h
+    # a mixture of experts (not yet measured against sw.activation_memory): a token's top_k
+    # experts as one MLP, and its slots as sent, received and returned by the all-to-alls
+    ffn = spec.ffn * spec.top_k if spec.experts else spec.ffn
+    mlp = (4 if spec.mlp == "swiglu" else 2) * ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
+    ups = (2 if spec.mlp == "swiglu" else 1) * ffn / h
+    attention += 3 * spec.top_k if spec.experts else 0
     if spec.norm == "rmsnorm":  # Hugging Face's RMSNorm computes in float32
         norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
     else:
@@ -228,13 +236,14 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     head = spec.head_params[0] / L.tp + spec.head_params[1] + np.where(tied_elsewhere, spec.embed_params[0] / L.tp, 0)
     params_first = layers_first * per_layer + embed + np.where(L.pp == 1, head, 0)  # at pp=1 one rank holds all
     params_last = layers_last * per_layer + head + np.where(L.pp == 1, embed, 0)
+    experts_first, experts_last = layers_first * spec.expert_params / L.ep, layers_last * spec.expert_params / L.ep
     shards = L.dp * L.cp
 
-    def states(count):
-        params = count * L.param_bytes / np.where(L.zero == 3, shards, 1)
-        grads = count * L.param_bytes / np.where(L.zero >= 2, shards, 1)
-        adam = count * (2 * FLOAT32 + np.where(L.param_bytes == FLOAT32, 0, FLOAT32)) / np.where(L.zero >= 1, shards, 1)
-        return params, grads, adam
+    def states(count, experts):  # experts' ZeRO shards are over the dp / ep ranks holding the same experts
+        def held(stage):
+            return count / np.where(L.zero >= stage, shards, 1) + experts / np.where(L.zero >= stage, shards / L.ep, 1)
+        adam = (2 * FLOAT32 + np.where(L.param_bytes == FLOAT32, 0, FLOAT32)) * held(1)
+        return held(3) * L.param_bytes, held(2) * L.param_bytes, adam
 
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
@@ -243,13 +252,14 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_last * block + end_last
     held = in_flight(L)
-    first, last = states(params_first), states(params_last)
+    first, last = states(params_first, experts_first), states(params_last, experts_last)
     use_last = (L.pp > 1) & (sum(last) + act_last > sum(first) + held * act_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, act_last, held * act_first)
-    buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l) * L.param_bytes, 0.0)
-    return _Memory(params, grads, adam, activations, buffers, params_first, params_last, first, last, act_first,
-                   act_last)
+    buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l + spec.expert_params / L.ep) * L.param_bytes,
+                       0.0)
+    return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
+                   first, last, act_first, act_last)
 
 
 def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memory: _Memory) -> tuple:
@@ -263,10 +273,12 @@ def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memo
     peak = cluster.spec.peak_flops
     h = spec.hidden
     tokens_step = L.dp * L.micro_batch * L.microbatches * seq_len  # the global batch
-    layer_flops_token = 6 * sharded_l + 6 * h * seq_len  # matmuls (+ causal attention)
-    flops_token = spec.layers * layer_flops_token + 6 * (spec.dense_params - spec.layers * sharded_l)
+    active = spec.active_expert_params
+    layer_flops_token = 6 * (sharded_l + active) + 6 * h * seq_len  # matmuls (+ causal attention, a token's experts)
+    flops_token = spec.layers * layer_flops_token + 6 * (spec.dense_params - spec.layers * (sharded_l + active))
     model_flops = flops_token * tokens_step
-    compute = model_flops / world / (peak * EFFICIENCY)
+    expert_flops = spec.layers * 6 * active * tokens_step  # whole on every tp rank: computed tp times
+    compute = (model_flops + (L.tp - 1) * expert_flops) / world / (peak * EFFICIENCY)
     layer_forward = spec.layers * layer_flops_token / 3 * tokens_step / world / (peak * EFFICIENCY)
     recompute = np.select([L.recompute == 2, L.recompute == 1], [layer_forward, SELECTIVE_COST * layer_forward], 0.0)
 
@@ -276,6 +288,10 @@ def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memo
     tp_comm = layers_here * L.microbatches * per_microbatch_tp
     kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
     cp_comm = layers_here * L.microbatches * 3 * _ring(L.cp, kv_bytes, bw(L.tp * L.cp), 1)
+    # experts: each token's top_k slots out and back in forward and again in backward, (ep-1)/ep of them off-rank
+    slot_bytes = tokens * spec.top_k * h * L.param_bytes
+    ep_comm = layers_here * L.microbatches * 4 * _ring(L.ep, slot_bytes, bw(L.tp * L.cp * L.ep), 1) \
+        if spec.experts else np.zeros_like(tokens)
     hop = act_bytes_layer / np.where(L.sp == 1, L.tp, 1) / bw(world)
     pp_comm = np.where(L.pp > 1, 2 * (L.pp - 1) * L.virtual * hop, 0.0)
     pipelined = compute + recompute + tp_comm + cp_comm
@@ -286,4 +302,4 @@ def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memo
     gathers = np.where(L.zero == 3, 2 * L.microbatches * _ring(shards, grad_bytes, bw(world), 1), 0.0)
     last_backward = (compute + recompute) * 2 / 3 / L.microbatches
     dp_comm = np.maximum(reduce - last_backward, 0) + np.maximum(gathers - compute, 0)
-    return compute, recompute, tp_comm, cp_comm, pp_comm, bubble, dp_comm, model_flops
+    return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, model_flops

@@ -11,6 +11,7 @@ GIB = 2.0 ** 30
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer", "activations": "activations",
                  "buffers": "buffers"}
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tp_comm": "tp collectives", "cp_comm": "cp K/V exchange",
+               "ep_comm": "ep all-to-all",
                "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "dp/ZeRO exposed"}
 
 

@@ -28,7 +28,10 @@ class ModelSpec:
     of the layer list, before it (embeddings) and after it (final norm, untied head).
     `mlp` is "gelu" (two matrices of width ffn) or "swiglu" (three); `norm` "layernorm"
     (keeps its output and mean/rstd) or "rmsnorm" (Hugging Face's: keeps x*rsqrt, the
-    output and rsqrt in float32). `plan` is the zoo plan that lays it out.
+    output and rsqrt in float32). `plan` is the zoo plan that lays it out. A mixture of
+    experts has `experts` per layer, `top_k` of them per token, and `expert_params` per layer
+    (all its experts, of width `ffn` each; tp leaves them whole, ep splits them); its
+    `layer_params` are the rest of a block (attention, norms, router, a shared expert).
     """
 
     name: str
@@ -45,8 +48,19 @@ class ModelSpec:
     head_params: tuple[int, int]
     plan: str | None = None
     max_seq: int | None = None  # learned position embeddings bound the sequence
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("experts", "top_k", "expert_params"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"ModelSpec({name}={value!r}) must be an integer >= 0")
+        if self.experts and not (1 <= self.top_k <= self.experts and self.expert_params > 0):
+            raise ConfigError(f"ModelSpec(experts={self.experts}, top_k={self.top_k}, expert_params="
+                              f"{self.expert_params}): a mixture of experts needs 1 <= top_k <= experts and its "
+                              "experts' parameter count")
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -60,12 +74,17 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        return self.layers * sum(self.layer_params) + sum(self.embed_params) + sum(self.head_params)
+        return self.layers * (sum(self.layer_params) + self.expert_params) + sum(self.embed_params) + sum(self.head_params)
 
     @property
-    def dense_params(self) -> int:
-        """Parameters a token's forward multiplies by (embedding lookups excluded)."""
-        return self.layers * sum(self.layer_params) + sum(self.head_params) + (
+    def active_expert_params(self) -> float:
+        """Parameters of one layer's experts that a token's forward multiplies by (top_k of them)."""
+        return self.expert_params * self.top_k / self.experts if self.experts else 0.0
+
+    @property
+    def dense_params(self) -> float:
+        """Parameters a token's forward multiplies by (embedding lookups excluded; top_k experts)."""
+        return self.layers * (sum(self.layer_params) + self.active_expert_params) + sum(self.head_params) + (
             self.embed_params[0] if self.head_params[0] == 0 else 0)  # a tied head multiplies by the embedding
 
     def check_tp(self, tp: int) -> str | None:
@@ -87,6 +106,18 @@ def llama_like(name: str, layers: int, hidden: int, heads: int, kv_heads: int, f
                      head_params=(0 if tied else vocab * hidden, hidden), plan=plan)
 
 
+def moe_like(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, experts: int,
+             top_k: int, shared_ffn: int = 0, qkv_bias: bool = False, plan: str = "mixtral") -> ModelSpec:
+    """A Mixtral / Qwen2-MoE decoder: Llama's attention, a router, `experts` SwiGLU experts of
+    width `ffn` (a shared expert of width `shared_ffn` with its gate, Qwen's)."""
+    dense = llama_like(name, layers, hidden, heads, kv_heads, max(shared_ffn, 1), vocab, qkv_bias=qkv_bias, plan=plan)
+    sharded, replicated = dense.layer_params
+    sharded -= 3 * hidden * max(shared_ffn, 1) - 3 * hidden * shared_ffn  # the shared expert, if any, as an MLP
+    replicated += hidden * experts + (hidden if shared_ffn else 0)  # router, shared expert's gate
+    return replace(dense, ffn=ffn, layer_params=(sharded, replicated), experts=experts, top_k=top_k,
+                   expert_params=experts * 3 * hidden * ffn)
+
+
 def gpt2_like(name: str, layers: int, hidden: int, heads: int, vocab: int, max_seq: int) -> ModelSpec:
     """GPT-2 (Hugging Face): LayerNorm, learned positions, GELU MLP of 4h, tied head; the
     zoo plan shards the Conv1D weights and keeps their biases replicated."""
@@ -105,6 +136,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2-7b": llama_like("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, plan="qwen2"),
     "mistral-7b": llama_like("mistral-7b", 32, 4096, 32, 8, 14336, 32000, plan="mistral"),
     "gpt2": gpt2_like("gpt2", 12, 768, 12, 50257, 1024),
+    "mixtral-8x7b": moe_like("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2),
 }
 
 
@@ -129,7 +161,18 @@ def from_hf_config(config: Any) -> ModelSpec:
                           qkv_bias=kind == "qwen2", plan=kind)
     if kind == "gpt2":
         return gpt2_like("gpt2", config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.n_positions)
-    raise ModelError(f"the planner knows Hugging Face model types llama, qwen2, mistral and gpt2, not {kind!r}; "
+    if kind in ("mixtral", "qwen2_moe"):
+        qwen = kind == "qwen2_moe"
+        return replace(moe_like(
+            kind, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            config.moe_intermediate_size if qwen else config.intermediate_size, config.vocab_size,
+            config.num_experts if qwen else config.num_local_experts, config.num_experts_per_tok,
+            shared_ffn=config.shared_expert_intermediate_size if qwen else 0, qkv_bias=qwen and config.qkv_bias,
+            plan=kind), head_params=(0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size,
+                                     config.hidden_size))
+    raise ModelError(f"the planner knows Hugging Face model types llama, qwen2, mistral, gpt2, mixtral and qwen2_moe, "
+                     f"not {kind!r}; "
                      "pass a ModelSpec describing the model instead")
 
 
@@ -141,20 +184,25 @@ def _counts_from_module(module: nn.Module, spec: ModelSpec) -> ModelSpec:
     from ..plan.resolve import resolve_plan
     from ..plan.stages import layer_list
 
+    from ..parallel.expert import grouped_experts
+
     blocks = layer_list(module)
     sharded_names = set(resolve_plan(zoo[spec.plan](ParallelConfig()), module, 1).params) if spec.plan else set()
-    layer, embed, head = [0, 0], [0, 0], [0, 0]
+    experts = {id(p) for m in grouped_experts(module).values() for p in m.parameters(recurse=False)}
+    layer, embed, head, expert = [0, 0], [0, 0], [0, 0], 0
     seen_layers = False
     for name, param in module.named_parameters():  # tied parameters once, under their first name
         side = 0 if name in sharded_names else 1
-        if blocks and name.startswith(blocks + "."):
+        if id(param) in experts:
+            expert += param.numel()
+        elif blocks and name.startswith(blocks + "."):
             seen_layers = True
             layer[side] += param.numel()
         else:
             (head if seen_layers else embed)[side] += param.numel()
     layers = len(module.get_submodule(blocks)) if blocks else 1
     return replace(spec, layer_params=(layer[0] // layers, layer[1] // layers), embed_params=tuple(embed),
-                   head_params=tuple(head))
+                   head_params=tuple(head), expert_params=expert // layers)
 
 
 def model_spec(model: "nn.Module | ModelSpec | str | Any") -> ModelSpec:

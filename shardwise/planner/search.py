@@ -6,8 +6,8 @@ dividing the model's heads, kv heads, MLP width and vocabulary; cp leaving at le
 layer count), every microbatch size dividing a replica's batch (the microbatch count
 follows, at least pp under pipelining, a multiple of pp for interleaved schedules), each
 schedule with 1 (GPipe, 1F1B) or 2, 4, 8 (interleaved 1F1B, zero-bubble) stages per rank,
-ZeRO 0-3, recompute none/selective/full, sequence parallelism on/off under tp, and bf16 or
-float32 on GPUs. It is exhaustive: the inner choices of each factorization are one numpy
+ZeRO 0-3, recompute none/selective/full, sequence parallelism on/off under tp, bf16 or
+float32 on GPUs, and for a mixture of experts every ep dividing dp and the experts. It is exhaustive: the inner choices of each factorization are one numpy
 grid through `cost.evaluate`, so 10^5-10^6 layouts take seconds on one core. Layouts
 predicted not to fit are dropped; the rest are ranked by seconds per token.
 """
@@ -35,7 +35,7 @@ VIRTUAL = (2, 4, 8)
 SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
 RECOMPUTE_NAMES = {code: name for name, code in RECOMPUTE_CODES.items()}
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
-TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm")
 
 
 @dataclass
@@ -84,8 +84,8 @@ class Candidate:
 
     def layout(self) -> str:
         c = self.config
-        parts = [f"dp{c.dp}", f"tp{c.tp}" + ("+sp" if c.sequence_parallel else ""), f"pp{c.pp}", f"cp{c.cp}",
-                 f"zero{c.zero}", f"mb{self.micro_batch}x{c.microbatches}"]
+        parts = [f"dp{c.dp}", f"tp{c.tp}" + ("+sp" if c.sequence_parallel else ""), f"pp{c.pp}", f"cp{c.cp}"] \
+            + ([f"ep{c.ep}"] if c.ep > 1 else []) + [f"zero{c.zero}", f"mb{self.micro_batch}x{c.microbatches}"]
         if c.pp > 1:
             parts.append(c.schedule + (f"/v{self.virtual}" if self.virtual > 1 else ""))
         parts.append(f"rc:{c.recompute or 'none'}")
@@ -126,7 +126,13 @@ def _factorizations(spec: ModelSpec, cluster: Cluster, seq_len: int, context_par
     return out
 
 
-def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: int, dtypes: tuple[int, ...]):
+def _expert_degrees(spec: ModelSpec, dp: int, cp: int) -> list[int]:
+    """ep values for a factorization: dividing dp and the experts (not with cp, which shards sequences)."""
+    return [e for e in divisors(dp) if spec.experts % e == 0] if spec.experts and cp == 1 else [1]
+
+
+def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: int, dtypes: tuple[int, ...],
+                eps: list[int] = (1,)):
     """Arrays of every inner choice for one factorization (empty when the batch does not split)."""
     rows = []
     for b in divisors(replica_batch):
@@ -141,15 +147,16 @@ def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: 
                 if pp * v <= layers and m % pp == 0]
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         sps = (0, 1) if tp > 1 else (0,)
-        for (schedule, v), zero, rc, sp, nbytes in itertools.product(schedules, zeros, (0, 1, 2), sps, dtypes):
-            rows.append((b, m, schedule, v, zero, rc, sp, nbytes))
+        for (schedule, v), zero, rc, sp, nbytes, ep in itertools.product(schedules, zeros, (0, 1, 2), sps, dtypes, eps):
+            if not (ep > 1 and sp):  # experts do not take sequence shards
+                rows.append((b, m, schedule, v, zero, rc, sp, nbytes, ep))
     if not rows:
         return None
     grid = np.array(rows, dtype=np.float64).T
-    b, m, schedule, v, zero, rc, sp, nbytes = grid
+    b, m, schedule, v, zero, rc, sp, nbytes, ep = grid
     one = np.ones_like(b)
     return Layout(dp=dp * one, tp=tp * one, pp=pp * one, cp=cp * one, zero=zero, recompute=rc, sp=sp,
-                  micro_batch=b, microbatches=m, schedule=schedule, virtual=v, param_bytes=nbytes)
+                  micro_batch=b, microbatches=m, schedule=schedule, virtual=v, param_bytes=nbytes, ep=ep)
 
 
 def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Candidate:
@@ -157,7 +164,7 @@ def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Ca
     nbytes = int(pick(layout.param_bytes))
     config = ParallelConfig(
         dp=int(pick(layout.dp)), tp=int(pick(layout.tp)), pp=int(pick(layout.pp)), cp=int(pick(layout.cp)),
-        zero=int(pick(layout.zero)), microbatches=int(pick(layout.microbatches)),
+        ep=int(pick(layout.ep)), zero=int(pick(layout.zero)), microbatches=int(pick(layout.microbatches)),
         schedule=SCHEDULE_NAMES[int(pick(layout.schedule))], sequence_parallel=bool(pick(layout.sp)),
         recompute=RECOMPUTE_NAMES[int(pick(layout.recompute))],
         param_dtype=None if nbytes == 4 else torch.bfloat16)
@@ -218,7 +225,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     result = SearchResult()
     for dp, tp, pp, cp in groups:
         batch = replica_batch if replica_batch is not None else (global_batch // dp if global_batch % dp == 0 else 0)
-        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes) if batch else None
+        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp, cp)) if batch else None
         if layout is None:
             continue
         cost = evaluate_layouts(spec, cluster, layout, seq_len)
@@ -270,6 +277,9 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
         raise ConfigError(f"tp={config.tp} cannot split {spec.name}: {why}")
     if config.tp > cluster.gpus_per_node:
         raise ConfigError(f"tp={config.tp} spans nodes of {cluster.gpus_per_node} GPUs; the planner keeps tp inside a node")
+    if config.ep > 1 and (not spec.experts or spec.experts % config.ep):
+        raise ConfigError(f"ep={config.ep}: {spec.name} has {spec.experts or 'no'} experts per layer"
+                          + (f", not divisible by {config.ep}" if spec.experts else ""))
     if config.pp * virtual > spec.layers:
         raise ConfigError(f"pp={config.pp} x virtual={virtual} stages exceed {spec.name}'s {spec.layers} layers")
     if config.schedule not in SCHEDULE_CODES:
@@ -282,5 +292,5 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
                     recompute=np.array([RECOMPUTE_CODES[config.recompute]]),
                     sp=np.array([int(config.sequence_parallel)]), micro_batch=np.array([global_batch // replicas]),
                     microbatches=np.array([config.microbatches]), schedule=np.array([SCHEDULE_CODES[config.schedule]]),
-                    virtual=np.array([virtual]), param_bytes=np.array([nbytes]))
+                    virtual=np.array([virtual]), param_bytes=np.array([nbytes]), ep=np.array([config.ep]))
     return _candidate(spec, cluster, seq_len, layout, evaluate_layouts(spec, cluster, layout, seq_len), 0)
