@@ -109,8 +109,8 @@ def test_expert_parallel_parity(world):
 
 def _sharded_and_checkpointed(path: str):
     """ep=4: each rank holds a quarter of every expert tensor; the summary shows the step's
-    all-to-all bytes and per-expert loads; a checkpoint saved at ep=4 loads at ep=2 and with the
-    experts replicated."""
+    all-to-all bytes and per-expert loads; a checkpoint saved at ep=4 (model and AdamW state)
+    loads at ep=2, with the experts replicated, and at ep=2 under ZeRO-1, bit for bit."""
     import torch.distributed as dist
 
     batch = moe_batches(1)[0]
@@ -124,12 +124,17 @@ def _sharded_and_checkpointed(path: str):
     opt.step()
     sw.save_checkpoint(path, pm, opt)
     saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    saved_state = opt.full_state_dict()["state"]
     same = []
-    for config in (sw.ParallelConfig(ep=2), sw.ParallelConfig()):  # experts over 2 ranks, and replicated
-        other = sw.parallelize(make_moe("mixtral"), config)
-        sw.load_checkpoint(path, other)
-        loaded = other.full_state_dict()
-        same.append(saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved))
+    for config in (sw.ParallelConfig(ep=2), sw.ParallelConfig(), sw.ParallelConfig(ep=2, zero=1)):
+        other = sw.parallelize(make_moe("mixtral"), config)  # experts over 2 ranks, replicated, ZeRO-sharded
+        other_opt = sw.build_optimizer(other, torch.optim.AdamW, lr=1e-3)
+        sw.load_checkpoint(path, other, other_opt)
+        loaded, state = other.full_state_dict(), other_opt.full_state_dict()["state"]
+        same.append(saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+                    and state.keys() == saved_state.keys()
+                    and all(torch.equal(torch.as_tensor(saved_state[n][k]), torch.as_tensor(state[n][k]))
+                            for n in saved_state for k in saved_state[n]))
     return shapes, text, sent, same
 
 
@@ -161,7 +166,7 @@ def test_experts_sharded_summarized_and_checkpointed_across_ep(tmp_path):
         assert "2 MoE layer(s), 4 experts over ep ranks [0, 1, 2, 3]" in text and f"experts {rank}-{rank} here" in text
         assert f"{sent / 2 ** 20:.4f} MiB sent to other ranks by all-to-all" in text, text
         assert "token slots per local expert" in text
-        assert same == [True, True]
+        assert same == [True, True, True]
 
 
 def _unequal_replicas(kind: str, aux_loss: bool):
@@ -267,3 +272,28 @@ def test_planner_knows_experts():
                                   sw.ParallelConfig(tp=8, ep=ep), seq_len=4096, global_batch=64) for ep in (1, 8))
     assert one.time_terms["ep_comm"] == 0 and four.time_terms["ep_comm"] > 0
     assert four.memory_terms["params"] < one.memory_terms["params"]
+
+
+@pytest.mark.parametrize("config, plan", [({"ep": 2, "tp": 2}, "mixtral"), ({"ep": 2, "zero": 2}, None)])
+def test_clipped_norm_counts_each_expert_once(config, plan):
+    """clip_grad_norm's global norm (and the clipped training) equals one process's: an expert
+    shard is counted by one rank, not by every tp peer or data-parallel copy holding it."""
+    run_and_compare(4, config, functools.partial(make_moe, "mixtral"), moe_batches(), plan=plan, clip=0.5)
+
+
+def _owned_elements(config: dict, plan):
+    pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(**config), plan=plan)
+    counts = {}
+    for name, param in pm.module.named_parameters():
+        counts[name] = (sum(p.end - p.start for p in pm.optimizer_params.pieces[id(param)] if p.owned), param.numel())
+    return counts
+
+
+@pytest.mark.parametrize("config, plan", [({"ep": 2, "tp": 2}, "mixtral"), ({"ep": 2, "zero": 2}, None),
+                                          ({"ep": 2, "zero": 3}, None)])
+def test_every_element_owned_once(config, plan):
+    """Norms and checkpoints count each element on the one rank that owns it: over the ranks,
+    the owned elements of every parameter add up to its size exactly."""
+    results = sw.testing.run_on_ranks(_owned_elements, 4, config, plan)
+    for name, (_, size) in results[0].items():
+        assert sum(r[name][0] for r in results) == size, name

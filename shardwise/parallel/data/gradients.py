@@ -475,7 +475,8 @@ def _reduce_groups(module: nn.Module, topology: Topology, params: list[nn.Parame
     dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", includes_tp_peers=topology.sizes["tp"] == 1)
     tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
     expert_group = ReduceGroup(topology.group_of(topology.expert_replica_ranks()), 1.0, "dp ranks holding these experts",
-                               includes_tp_peers=True, weighted_at_origin=True, spans_replicas=False) if experts else None
+                               includes_tp_peers=topology.sizes["tp"] == 1, weighted_at_origin=True,
+                               spans_replicas=False) if experts else None
 
     def group_of(param: nn.Parameter) -> ReduceGroup:
         if id(param) in experts:

@@ -66,7 +66,8 @@ class OptimizerParams:
         for param in module.parameters():
             if not param.requires_grad:
                 continue
-            replicated_copy = not is_sharded(param) and topology.tp_rank != 0
+            # a copy another tp rank also holds: replicated parameters, and experts (whole on every tp rank)
+            replicated_copy = (not is_sharded(param) or id(param) in experts) and topology.tp_rank != 0
             if zero.grads_sharded and id(param) in slot:
                 bucket, i = slot[id(param)]
                 includes_tp_peers = bucket.reduce.includes_tp_peers
