@@ -110,7 +110,8 @@ def test_expert_parallel_parity(world):
 def _sharded_and_checkpointed(path: str):
     """ep=4: each rank holds a quarter of every expert tensor; the summary shows the step's
     all-to-all bytes and per-expert loads; a checkpoint saved at ep=4 (model and AdamW state)
-    loads at ep=2, with the experts replicated, and at ep=2 under ZeRO-1, bit for bit."""
+    loads at ep=2, with the experts replicated, and at ep=2 under ZeRO-1, bit for bit; so does
+    save_pretrained's Hugging Face directory, read back by load_pretrained at ep=2."""
     import torch.distributed as dist
 
     batch = moe_batches(1)[0]
@@ -125,7 +126,12 @@ def _sharded_and_checkpointed(path: str):
     sw.save_checkpoint(path, pm, opt)
     saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
     saved_state = opt.full_state_dict()["state"]
+    sw.save_pretrained(pm, path + "-hf")  # transformers' own files: whole expert tensors
     same = []
+    pretrained = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(ep=2))
+    sw.load_pretrained(pretrained, path + "-hf")
+    loaded = pretrained.full_state_dict()
+    same.append(all(torch.equal(saved[k], loaded[k]) for k in saved))
     for config in (sw.ParallelConfig(ep=2), sw.ParallelConfig(), sw.ParallelConfig(ep=2, zero=1)):
         other = sw.parallelize(make_moe("mixtral"), config)  # experts over 2 ranks, replicated, ZeRO-sharded
         other_opt = sw.build_optimizer(other, torch.optim.AdamW, lr=1e-3)
@@ -166,7 +172,7 @@ def test_experts_sharded_summarized_and_checkpointed_across_ep(tmp_path):
         assert "2 MoE layer(s), 4 experts over ep ranks [0, 1, 2, 3]" in text and f"experts {rank}-{rank} here" in text
         assert f"{sent / 2 ** 20:.4f} MiB sent to other ranks by all-to-all" in text, text
         assert "token slots per local expert" in text
-        assert same == [True, True, True]
+        assert same == [True, True, True, True]
 
 
 def _unequal_replicas(kind: str, aux_loss: bool):
@@ -297,3 +303,32 @@ def test_every_element_owned_once(config, plan):
     results = sw.testing.run_on_ranks(_owned_elements, 4, config, plan)
     for name, (_, size) in results[0].items():
         assert sum(r[name][0] for r in results) == size, name
+
+
+def _pretrained_round_trip(path: str, kind: str):
+    """save_pretrained from ep=2 writes the checkpoint format (one tensor per expert); it loads
+    back at ep=2 and, in the test process, into transformers' own from_pretrained."""
+    pm = sw.parallelize(make_moe(kind), sw.ParallelConfig(ep=2))
+    opt = sw.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    pm.train_step({k: v[pm.topology.dp_rank * 2:pm.topology.dp_rank * 2 + 2] for k, v in moe_batches(1)[0].items()})
+    opt.step()
+    saved = pm.full_state_dict()
+    sw.save_pretrained(pm, path)
+    other = sw.parallelize(make_moe(kind), sw.ParallelConfig(ep=2))
+    sw.load_pretrained(other, path)
+    loaded = other.full_state_dict()
+    return {k: v for k, v in saved.items()}, all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe"])
+def test_pretrained_checkpoints_of_experts(tmp_path, kind):
+    from safetensors import safe_open
+
+    path = str(tmp_path / "hf")
+    saved, equal = sw.testing.run_on_ranks(_pretrained_round_trip, 2, path, kind)[0]
+    assert equal
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:  # per-expert pieces on disk
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in f.keys()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    ours = {k.removeprefix("lm."): v for k, v in saved.items()}
+    assert all(torch.equal(v, ours[k]) for k, v in reloaded.state_dict().items())

@@ -6,7 +6,12 @@
 / `.bin` file. The checkpoint's keys are the Hugging Face model's own; they are found inside
 the user's module by where the `PreTrainedModel` sits (`lm.` in an end2end wrapper), with
 the base model's prefix added or dropped when the file was saved from the other class
-(`model.layers.0...` vs `layers.0...`), and tied parameters read once.
+(`model.layers.0...` vs `layers.0...`), and tied parameters read once. Mixture-of-experts
+checkpoints keep one tensor per expert and projection (Mixtral's `block_sparse_moe.experts.3.w1`,
+Qwen-MoE's `mlp.experts.3.gate_proj`) where transformers 5 models hold grouped tensors
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); a grouped tensor is read from
+those pieces (`GroupedKey`), each rank reading only its experts, as transformers' own
+conversion on load does.
 
 Each rank reads only the rectangles of its own shards (safetensors slices, the same global
 regions `load_checkpoint` reads), so with `sw.deferred_init` no rank holds more than its
@@ -90,15 +95,47 @@ def _open(path: Path) -> _File:
     return _File(path)
 
 
+# grouped expert tensor -> the per-expert projections it stacks, concatenated along their dim 0
+EXPERT_PIECES = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")), "down_proj": (("w2",), ("down_proj",))}
+MOE_BLOCK_NAMES = ((".mlp.", ".block_sparse_moe."),)  # transformers 5's name -> an original checkpoint's
+
+
+class GroupedKey(tuple):
+    """The checkpoint keys of a grouped expert tensor: for each expert, the pieces stacked
+    along its dim 1 (that is, each piece's dim 0)."""
+
+
+def _grouped_key(name: str, experts: int, files: dict[str, Path]) -> GroupedKey | None:
+    """The per-expert keys holding grouped tensor `name` (a checkpoint-side name), if all exist."""
+    block, _, leaf = name.rpartition(".experts.")
+    if not block or leaf not in EXPERT_PIECES:
+        return None
+    for pieces in EXPERT_PIECES[leaf]:
+        keys = GroupedKey(tuple(f"{block}.experts.{e}.{piece}.weight" for piece in pieces) for e in range(experts))
+        if all(key in files for expert in keys for key in expert):
+            return keys
+    return None
+
+
 class PretrainedReader:
     """`Reader`'s interface (`keys`, `read(key, rect)`) over Hugging Face files, keyed as
     shardwise's checkpoint is ("model/<name>", "buffer/<name>"), for `checkpoint._stage`."""
 
     def __init__(self, files: dict[str, Path], names: dict[str, str]):
         self.files = files  # checkpoint key -> file
-        self.names = names  # "model/<name>" or "buffer/<name>" -> checkpoint key
+        self.names = names  # "model/<name>" or "buffer/<name>" -> checkpoint key (or GroupedKey)
         self._opened: dict[Path, _File] = {}
-        self.keys = {ours: {"shape": list(self.file(theirs).shape(theirs))} for ours, theirs in names.items()}
+        self.keys = {ours: {"shape": list(self.shape(theirs))} for ours, theirs in names.items()}
+
+    def shape(self, theirs: str | GroupedKey) -> tuple[int, ...]:
+        if not isinstance(theirs, GroupedKey):
+            return self.file(theirs).shape(theirs)
+        pieces = [self.file(key).shape(key) for key in theirs[0]]
+        if any(self.file(key).shape(key) != self.file(first).shape(first) for expert in theirs
+               for key, first in zip(expert, theirs[0])) or len({p[1:] for p in pieces}) != 1:
+            raise CheckpointError(f"{str(self.files[theirs[0][0]])!r}: the experts' {[k.rsplit('.', 2)[-2] for k in theirs[0]]} "
+                                  "projections differ in shape between experts; load weights of the same architecture")
+        return (len(theirs), sum(p[0] for p in pieces), *pieces[0][1:])
 
     def file(self, key: str) -> _File:
         path = self.files[key]
@@ -108,7 +145,21 @@ class PretrainedReader:
 
     def read(self, key: str, rect: tuple) -> torch.Tensor:
         theirs = self.names[key]
-        return self.file(theirs).read(theirs, rect)
+        if not isinstance(theirs, GroupedKey):
+            return self.file(theirs).read(theirs, rect)
+        shape = self.keys[key]["shape"]
+        (e0, e1), (r0, r1), *rest = rect or tuple((0, s) for s in shape)
+        experts = []
+        for expert in theirs[e0:e1]:
+            parts, offset = [], 0
+            for piece in expert:
+                rows = self.file(piece).shape(piece)[0]
+                lo, hi = max(r0, offset), min(r1, offset + rows)
+                if lo < hi:
+                    parts.append(self.file(piece).read(piece, ((lo - offset, hi - offset), *rest)))
+                offset += rows
+            experts.append(torch.cat(parts))
+        return torch.stack(experts)
 
 
 def match_names(pmodel, files: dict[str, Path]) -> dict[str, str]:
@@ -119,20 +170,24 @@ def match_names(pmodel, files: dict[str, Path]) -> dict[str, str]:
     aliases: dict[str, list[str]] = {}
     for alias, canonical in pmodel.index.aliases.items():
         aliases.setdefault(canonical, []).append(alias)
-    best: dict[str, str] = {}
+    best: dict[str, str | GroupedKey] = {}
     translations = _translations(pmodel.module)
     for translate in translations:
         found = {}
         for name in ours:
             for candidate in aliases.get(name, [name]):
                 key = translate(candidate)
-                if key is not None and key in files:
-                    found[name] = key
+                grouped = _grouped_key(key, pmodel.index.state_shapes[name][0], files) \
+                    if key is not None and key not in files else None
+                if key is not None and (key in files or grouped is not None):
+                    found[name] = grouped or key
                     break
         if len(found) > len(best):
             best = found
     missing = sorted(set(ours) - set(best))
     every_name = {translate(alias) for translate in translations for alias in pmodel.index.aliases}
+    every_name |= {key for theirs in best.values() if isinstance(theirs, GroupedKey) for expert in theirs
+                   for key in expert}
     unexpected = sorted(k for k in files if k not in every_name)  # a tied copy saved twice is expected
     if missing or unexpected:
         raise CheckpointError(f"the Hugging Face weights in {str(next(iter(files.values())).parent)!r} do not match "
@@ -163,7 +218,9 @@ def _translations(module: torch.nn.Module) -> list[Callable[[str], str | None]]:
             return f"{base}.{inner}" if inner is not None and base else None
 
         out += [strip, drop_base, add_base]
-    return out
+    renamed = [lambda name, t=t, a=a, b=b: None if t(name) is None else t(name).replace(a, b)
+               for t in list(out) for a, b in MOE_BLOCK_NAMES]
+    return out + renamed
 
 
 def check_shapes(reader: PretrainedReader, pmodel) -> None:
@@ -172,7 +229,9 @@ def check_shapes(reader: PretrainedReader, pmodel) -> None:
         name = ours.split("/", 1)[1]
         if tuple(info["shape"]) != tuple(shapes[name]):
             theirs = reader.names[ours]
-            raise CheckpointError(f"{str(reader.files[theirs])!r}: {theirs!r} has shape {tuple(info['shape'])}, the "
+            theirs = theirs[0][0].replace(".experts.0.", ".experts.*.") if isinstance(theirs, GroupedKey) else theirs
+            raise CheckpointError(f"{str(reader.files[theirs.replace('*', '0')])!r}: {theirs!r} has shape "
+                                  f"{tuple(info['shape'])}, the "
                                   f"model's {name!r} is {tuple(shapes[name])}; load weights of the same configuration")
 
 
