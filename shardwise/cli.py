@@ -325,6 +325,7 @@ def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: i
 @click.option("--tp", default=1, show_default=True, type=POSITIVE)
 @click.option("--pp", default=1, show_default=True, type=POSITIVE)
 @click.option("--cp", default=1, show_default=True, type=POSITIVE)
+@click.option("--ep", default=1, show_default=True, type=POSITIVE, help="Experts split over this many dp ranks.")
 @click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3))
 @click.option("--microbatches", default=1, show_default=True, type=POSITIVE)
 @click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
@@ -334,7 +335,7 @@ def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: i
 @click.option("--lr", default=1e-2, show_default=True, type=click.FloatRange(min=0.0, min_open=True))
 @click.option("--tolerance", default=None, type=click.FloatRange(min=0.0, min_open=True),
               help="Largest relative difference accepted (default 1e-2; 5e-2 under half precision).")
-def check(model: str, batches: str, ranks: int, tp: int, pp: int, cp: int, zero: int, microbatches: int,
+def check(model: str, batches: str, ranks: int, tp: int, pp: int, cp: int, ep: int, zero: int, microbatches: int,
           schedule: str, sequence_parallel: bool, plan_name: str | None, steps: int, lr: float,
           tolerance: float | None) -> None:
     """Train MODEL (pkg.module:factory) on one process and in the layout on local ranks, on the
@@ -347,7 +348,7 @@ def check(model: str, batches: str, ranks: int, tp: int, pp: int, cp: int, zero:
 
     if os.getcwd() not in sys.path:  # the user's package, as `python -m` would find it (the ranks inherit it)
         sys.path.insert(0, os.getcwd())
-    config = ParallelConfig(tp=tp, pp=pp, cp=cp, zero=zero, microbatches=microbatches, schedule=schedule,
+    config = ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatches=microbatches, schedule=schedule,
                             sequence_parallel=sequence_parallel)
     report = run_check(model, batches, config, ranks=ranks, plan=plan_name, steps=steps, lr=lr, tolerance=tolerance)
     click.echo(f"shardwise check: {config.describe()} on {ranks} ranks, plan {plan_name or 'none'}, {steps} steps")

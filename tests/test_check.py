@@ -57,3 +57,11 @@ def test_check_cli_exit_status():
     assert "DISAGREE" in wrong.output and "<-- differs" in wrong.output
     missing = CliRunner().invoke(main, ["check", "no_such_module:f", "test_groups:mlp_batches", "--ranks", "2"])
     assert missing.exit_code == 1 and "cannot import 'no_such_module:f'" in missing.output, missing.output
+
+
+def test_check_cli_runs_expert_parallel():
+    """`shardwise check ... --ep 2` on a Hugging Face Mixtral: experts split over 2 ranks agree."""
+    result = CliRunner().invoke(main, ["check", "test_expert:make_moe_mixtral", "test_expert:moe_batches", "--ranks", "2",
+                                       "--ep", "2"])
+    assert result.exit_code == 0, result.output
+    assert "ep=2" in result.output and "verdict: agree" in result.output and "mlp.experts" in result.output, result.output

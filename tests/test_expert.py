@@ -332,3 +332,8 @@ def test_pretrained_checkpoints_of_experts(tmp_path, kind):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(path)
     ours = {k.removeprefix("lm."): v for k, v in saved.items()}
     assert all(torch.equal(v, ours[k]) for k, v in reloaded.state_dict().items())
+
+
+def make_moe_mixtral() -> EndToEnd:
+    """`make_moe("mixtral")` as a factory without arguments (`shardwise check`)."""
+    return make_moe("mixtral")
