@@ -87,7 +87,8 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
     4: {"ep4": ({"ep": 4}, "sgd", False), "ep2 x dp2": ({"ep": 2}, "sgd", False),
         "ep2 x tp2": ({"ep": 2, "tp": 2}, "sgd", True), "ep2 x pp2": ({"ep": 2, "pp": 2, "microbatches": 2}, "sgd", False),
         "ep2 x dp2 zero1": ({"ep": 2, "zero": 1}, "adamw", False), "ep4 zero2": ({"ep": 4, "zero": 2}, "adamw", False),
-        "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, "adamw", False)},
+        "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, "adamw", False),
+        "ep2 x dp2 recompute": ({"ep": 2, "recompute": "full"}, "sgd", False)},
 }
 
 
