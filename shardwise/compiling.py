@@ -1,7 +1,9 @@
 """torch.compile the way torchtitan applies it: each block of the model's main layer list
 compiled in place (`block.compile()`), `fullgraph=True` unless a block is recomputed (torch's
 composable activation checkpoint runs a generator in the block's hooks, which Dynamo leaves
-outside the graph: the block's forward still compiles whole).
+outside the graph: the block's forward still compiles whole) or holds experts dispatched by
+expert parallelism (their all-to-alls are sized from the routing on the host: eager between
+the block's graphs).
 
 Equal blocks share one graph (the plan reaches code inside a block as interned layouts, never
 as a module path Dynamo would specialize on), state-dict keys stay the module's own (no
@@ -36,7 +38,12 @@ def compile_blocks(module: nn.Module, tensor_parallel: TensorParallel | None, re
     if tensor_parallel is not None:
         tensor_parallel.refuse_compiling(module, [path for path, _ in named])
     _warn_per_layer_caches(module, len(named))
-    kwargs.setdefault("fullgraph", not any(path in recomputed for path, _ in named))
+    dispatched = [path for path, m in module.named_modules() if hasattr(m, "_expert_parallel")]
+    if dispatched and kwargs.get("fullgraph"):
+        raise ConfigError(f"fullgraph=True with expert parallelism: the token dispatch of {dispatched[0]!r} (and "
+                          f"{len(dispatched) - 1} more) sizes its all-to-alls from the routing on the host, so it runs "
+                          "eagerly between the block's graphs; compile with fullgraph=False (the default here)")
+    kwargs.setdefault("fullgraph", not dispatched and not any(path in recomputed for path, _ in named))
     for _, block in named:
         block.compile(*args, **kwargs)
     return [path for path, _ in named]

@@ -167,6 +167,7 @@ class ExpertParallel:
         return out.index_add_(0, route.token, (back * slot_weights).to(out.dtype))
 
 
+@torch.compiler.disable  # token counts decide the all-to-all's sizes on the host: eager inside a compiled block
 def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     owner, path = self._expert_parallel

@@ -96,8 +96,13 @@ class RouterLogitsOverReplicas:
                 raise ModelError(f"router {path!r} ({type(router).__name__}) did not return (logits [tokens, "
                                  "experts], ...) as transformers' routers do, so its load-balancing loss cannot be "
                                  "taken over the whole batch; set output_router_logits=False")
-            return (_RowsOverReplicas.apply(out[0], self.group, self.wait, self.replica_weight), *out[1:])
+            return (_rows_over_replicas(out[0], self.group, self.wait, self.replica_weight), *out[1:])
         return whole_batch
+
+
+@torch.compiler.disable  # replicas' row counts decide the gather's sizes on the host: eager inside a compiled block
+def _rows_over_replicas(x: torch.Tensor, group, wait, weight) -> torch.Tensor:
+    return _RowsOverReplicas.apply(x, group, wait, weight)
 
 
 def apply_router_logits_over_replicas(module: nn.Module, topology: Topology) -> RouterLogitsOverReplicas | None:
