@@ -1347,10 +1347,21 @@ def test_peer_that_exits_is_named(tmp_path):
 
 
 def _peer_dies_inside(kind: str, report: str):
-    """Rank 1 exits in the middle of a tp forward, a pipeline schedule or cp attention."""
+    """Rank 1 exits in the middle of a tp forward, a pipeline schedule, cp attention or the experts' dispatch."""
     configs = {"tp": (sw.ParallelConfig(tp=2), "gpt", None), "pp": (sw.ParallelConfig(pp=2, microbatches=2), None,
                                                                   gpt_batches(1, 4)[0]),
                "cp": (sw.ParallelConfig(cp=2), None, None)}
+    if kind == "ep":  # experts split over the two ranks: rank 1 dies as its tokens reach the experts
+        from test_expert import make_moe, moe_batches
+
+        pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(ep=2))
+        batch = {k: v[_rank() * 2:_rank() * 2 + 2] for k, v in moe_batches(1)[0].items()}
+        pm.train_step(batch)
+        if _rank() == 1:
+            pm.module.lm.model.layers[-1].mlp.experts.register_forward_pre_hook(lambda *args: os._exit(3))
+        result = outcome(lambda: pm.train_step(batch))
+        Path(report).write_text(json.dumps(result[:3]))
+        return result
     config, plan, sample = configs[kind]
     pm = sw.parallelize(make_gpt(0, n_layer=4, block_size=16), config, plan=plan, sample=sample)
     batch = gpt_batches(1, 4)[0]
@@ -1376,7 +1387,7 @@ def _peer_dies_inside(kind: str, report: str):
     return result
 
 
-@pytest.mark.parametrize("kind", ["tp", "pp", "cp"])
+@pytest.mark.parametrize("kind", ["tp", "pp", "cp", "ep"])
 def test_peer_that_exits_inside_a_parallel_forward_is_named(tmp_path, kind):
     """Before, the survivor saw gloo's raw 'Connection reset by peer'."""
     report = tmp_path / "rank0.json"
