@@ -959,9 +959,25 @@ def _float8_gathered_under_tp():
     return sw.parallelize(model, sw.ParallelConfig(tp=2, zero=3), plan="gpt")
 
 
+def _experts(kind: str, **config):
+    from test_expert import make_moe
+    from test_zoo import make
+
+    return sw.parallelize(make_moe("mixtral", **({"experts": 6} if kind == "six experts" else {}),
+                                   aux_loss=kind == "load-balancing loss") if kind != "llama" else make("llama"),
+                          sw.ParallelConfig(**config), plan="mixtral" if config.get("tp", 1) > 1 else None)
+
+
 RANKS4 = {
     "float8 all-gather under tp with zero=3": Case(_float8_gathered_under_tp, "ConfigError",
                                                    "enable_fsdp_float8_all_gather=True under tp=2 with zero=3"),
+    "ep on a model without experts": Case(lambda: _experts("llama", ep=2), "ConfigError",
+                                          "ep=2 but EndToEnd has no mixture-of-experts layer"),
+    "ep not dividing dp": Case(lambda: _experts("mixtral", ep=4, tp=2), "ConfigError", "ep=4 does not divide dp=2"),
+    "ep not dividing the experts": Case(lambda: _experts("six experts", ep=4), "ConfigError",
+                                        "ep=4 does not divide the 6 experts"),
+    "a load-balancing loss under tp": Case(lambda: _experts("load-balancing loss", ep=2, tp=2), "ConfigError",
+                                           "with tp=2 that is not done yet"),
     "a ParallelModule inside a plain module": Case(_inside_a_plain_module, "ModelError",
                                                   "called on a tensor computed from trainable parameters outside it"),
     "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
