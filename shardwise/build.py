@@ -216,6 +216,9 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     module.to(topology.device)
     expert_parallel = apply_expert_parallel(module, topology)
     experts = expert_parallel.params if expert_parallel is not None else set()
+    if expert_parallel is not None and tensor_parallel is not None:  # experts on sequence shards: still partial
+        partial = tensor_parallel.partial_grad_params
+        partial |= {id(new) for old, new in expert_parallel.replaced.items() if old in partial}
     context_parallel = ContextParallel(topology.group("cp"), config.sequence_dim) if config.cp > 1 else None
     recomputed = apply_recompute(module, config, resolved, tensor_parallel, context_parallel)
     pipeline = None

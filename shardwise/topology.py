@@ -197,10 +197,11 @@ class Topology:
         start = self.dp_rank // ep * ep
         return dp[start:start + ep]
 
-    def expert_replica_ranks(self) -> list[int]:
-        """The data-parallel ranks holding the same experts as this one (every ep-th): where
-        expert gradients are reduced."""
-        return self.group_ranks("dp")[self.ep_rank::self.config.ep]
+    def expert_replica_ranks(self, with_tp: bool = False) -> list[int]:
+        """The data-parallel ranks holding the same experts as this one (every ep-th), and with
+        `with_tp` their tensor-parallel peers: where expert gradients are reduced."""
+        tps = range(self.sizes["tp"]) if with_tp else [self.tp_rank]
+        return sorted(r for t in tps for r in self.ranks_at(["dp"], tp=t)[self.ep_rank::self.config.ep])
 
     def size(self, *dims: str) -> int:
         """Number of ranks in this rank's group spanning `dims`."""

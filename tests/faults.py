@@ -63,7 +63,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
         import shardwise.topology as topology
 
-        topology.Topology.expert_replica_ranks = lambda self: self.group_ranks("dp")
+        topology.Topology.expert_replica_ranks = lambda self, with_tp=False: self.group_ranks("dp")
     elif name == "float8-amax-per-shard":  # each tp rank scales its float8 casts by its own shard's amax
         import shardwise.parallel.tensor.float8 as float8
 

@@ -48,8 +48,9 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False) -> EndToEnd:
     return EndToEnd(model)
 
 
-def moe_batches(steps: int = 4) -> list[dict[str, torch.Tensor]]:
-    return [{"input_ids": t, "labels": t.clone()} for t in corpus_batches(steps, 4, seq=8)]
+def moe_batches(steps: int = 4, seq: int = 8) -> list[dict[str, torch.Tensor]]:
+    """4 rows of seq + 1 tokens (an even 8 with seq=7, for sequence parallelism)."""
+    return [{"input_ids": t, "labels": t.clone()} for t in corpus_batches(steps, 4, seq=seq)]
 
 
 def routing_margin(factory, batches) -> float:
@@ -76,10 +77,10 @@ def routing_margin(factory, batches) -> float:
     return min(ratios)
 
 
-@pytest.mark.parametrize("kind, aux_loss", [("mixtral", False), ("qwen2_moe", False), ("mixtral", True),
-                                            ("qwen2_moe", True)])
-def test_routing_clears_rounding(kind, aux_loss):
-    assert routing_margin(functools.partial(make_moe, kind, aux_loss=aux_loss), moe_batches()) > 1.0
+@pytest.mark.parametrize("kind, aux_loss, seq", [("mixtral", False, 8), ("qwen2_moe", False, 8), ("mixtral", True, 8),
+                                                 ("qwen2_moe", True, 8), ("mixtral", False, 7), ("qwen2_moe", False, 7)])
+def test_routing_clears_rounding(kind, aux_loss, seq):
+    assert routing_margin(functools.partial(make_moe, kind, aux_loss=aux_loss), moe_batches(seq=seq)) > 1.0
 
 
 EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
@@ -93,6 +94,8 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
 
 
 AUX_LAYOUTS = {2: {"dp2": {}}, 4: {"ep2 x dp2": {"ep": 2}, "ep4": {"ep": 4}}}  # the loss over the whole batch
+SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
+                               "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
 
 
 @pytest.mark.parametrize("world", sorted(EP_LAYOUTS))
@@ -105,6 +108,8 @@ def test_expert_parallel_parity(world):
              for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer, planned) in EP_LAYOUTS[world].items()]
     cases += [Case(f"{kind} {name} load-balancing loss", config, functools.partial(make_moe, kind, aux_loss=True),
                    moe_batches()) for kind in ("mixtral", "qwen2_moe") for name, config in AUX_LAYOUTS[world].items()]
+    cases += [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(seq=7), plan=kind)
+              for kind in ("mixtral", "qwen2_moe") for name, config in SEQUENCE_LAYOUTS[world].items()]
     compare_cases(world, cases)
 
 
@@ -220,12 +225,8 @@ def test_expert_parity_fails_under_fault(fault):
 def test_refusals():
     with pytest.raises(sw.ConfigError, match="ep=2 does not divide dp=3"):
         sw.ParallelConfig(ep=2).resolve(3)
-    with pytest.raises(sw.ConfigError, match="experts would receive sequence shards"):
+    with pytest.raises(sw.ConfigError, match="experts would receive context-parallel sequence shards"):
         sw.ParallelConfig(ep=2, cp=2)
-    with pytest.raises(sw.ConfigError, match="experts would receive sequence shards"):
-        sw.ParallelConfig(ep=2, tp=2, sequence_parallel=True)
-    with pytest.raises(sw.PlanError, match="no sequence-parallel variant yet"):
-        sw.plan.zoo["mixtral"](sw.ParallelConfig(tp=2, sequence_parallel=True))
     with pytest.raises(sw.ConfigError, match="ep=4 does not divide the 6 experts"):
         check_expert_parallel(make_moe("mixtral", experts=6), sw.ParallelConfig(ep=4))
     with pytest.raises(sw.ConfigError, match="load-balancing loss .* with tp=2 that is not done yet"):
@@ -289,7 +290,7 @@ def test_clipped_norm_counts_each_expert_once(config, plan):
 
 
 def _owned_elements(config: dict, plan):
-    pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(**config), plan=plan)
+    pm = sw.parallelize(make_moe(plan or "mixtral"), sw.ParallelConfig(**config), plan=plan)
     counts = {}
     for name, param in pm.module.named_parameters():
         counts[name] = (sum(p.end - p.start for p in pm.optimizer_params.pieces[id(param)] if p.owned), param.numel())
@@ -297,7 +298,8 @@ def _owned_elements(config: dict, plan):
 
 
 @pytest.mark.parametrize("config, plan", [({"ep": 2, "tp": 2}, "mixtral"), ({"ep": 2, "zero": 2}, None),
-                                          ({"ep": 2, "zero": 3}, None)])
+                                          ({"ep": 2, "zero": 3}, None),
+                                          ({"ep": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, "qwen2_moe")])
 def test_every_element_owned_once(config, plan):
     """Norms and checkpoints count each element on the one rank that owns it: over the ranks,
     the owned elements of every parameter add up to its size exactly."""

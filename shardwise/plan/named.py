@@ -52,7 +52,9 @@ def gpt(config: ParallelConfig) -> Plan:
 
 def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool, mlp: str | None = "mlp") -> Plan:
     """Llama's layout; `mlp`: the dense MLP's path in a layer (None: a mixture of experts only,
-    which tp leaves whole: its experts are split by ep instead)."""
+    which tp leaves whole: its experts are split by ep instead). Under sequence parallelism a
+    mixture of experts routes and computes this rank's sequence shard (router and expert
+    gradients then partial over tp)."""
     params = {
         "model.embed_tokens.weight": COL,
         "model.layers.*.self_attn.q_proj.weight": COL,
@@ -67,9 +69,6 @@ def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool, mlp: s
     if bias:  # Qwen2: q/k/v projections have biases
         params.update({f"model.layers.*.self_attn.{p}_proj.bias": COL for p in "qkv"})
     activations = {}
-    if config.sequence_parallel and mlp != "mlp":
-        raise PlanError(f"plan {name!r} has no sequence-parallel variant yet: its mixture-of-experts layers would "
-                        "route sequence shards; use sequence_parallel=False")
     if config.sequence_parallel:
         layer = "model.layers.*"
         activations = {
@@ -81,11 +80,20 @@ def _llama_like(name: str, root: str, config: ParallelConfig, bias: bool, mlp: s
             f"{layer}.self_attn.input": SEQ_TO_REPLICATE,
             f"{layer}.self_attn.o_proj.output": SEQ,
             f"{layer}.post_attention_layernorm.input": SEQ,
-            f"{layer}.mlp.gate_proj.input": SEQ, f"{layer}.mlp.up_proj.input": SEQ,
-            f"{layer}.mlp.down_proj.output": SEQ,
             "model.norm.input": SEQ,
             "lm_head.input": SEQ,
         }
+        if mlp == "mlp":
+            activations.update({f"{layer}.mlp.gate_proj.input": SEQ, f"{layer}.mlp.up_proj.input": SEQ,
+                                f"{layer}.mlp.down_proj.output": SEQ})
+        else:  # a mixture of experts on this rank's sequence shard: its tokens flattened, so shards of dim 0
+            tokens = "Shard(0)"
+            activations.update({f"{layer}.mlp.input": SEQ, f"{layer}.mlp.gate.input": tokens,
+                                f"{layer}.mlp.experts.input": tokens})
+            if mlp is not None:  # the shared expert, column/row parallel over the gathered tokens
+                activations.update({f"{layer}.{mlp}.gate_proj.input": tokens, f"{layer}.{mlp}.up_proj.input": tokens,
+                                    f"{layer}.{mlp}.down_proj.output": tokens,
+                                    f"{layer}.mlp.shared_expert_gate.input": tokens})
     return Plan(params=params, activations=activations, loss_parallel=["lm_head"], applies_to=root, name=name)
 
 

@@ -474,8 +474,10 @@ def _reduce_groups(module: nn.Module, topology: Topology, params: list[nn.Parame
     scale = 1.0 / topology.size(*dp_dims)
     dp = ReduceGroup(topology.group(*dp_dims), scale, "dp", includes_tp_peers=topology.sizes["tp"] == 1)
     tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
-    expert_group = ReduceGroup(topology.group_of(topology.expert_replica_ranks()), 1.0, "dp ranks holding these experts",
-                               includes_tp_peers=topology.sizes["tp"] == 1, weighted_at_origin=True,
+    partial_experts = bool(experts & partial)  # experts on sequence shards: their gradients partial over tp too
+    expert_group = ReduceGroup(topology.group_of(topology.expert_replica_ranks(with_tp=partial_experts)), 1.0,
+                               "dp ranks holding these experts" + (" and their tp peers" if partial_experts else ""),
+                               includes_tp_peers=partial_experts or topology.sizes["tp"] == 1, weighted_at_origin=True,
                                spans_replicas=False) if experts else None
 
     def group_of(param: nn.Parameter) -> ReduceGroup:

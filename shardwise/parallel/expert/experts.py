@@ -96,6 +96,7 @@ class ExpertParallel:
         self.replica_weight = replica_weight  # set by build once the gradient buckets exist
         self.modules = grouped_experts(module)
         self.params: set[int] = set()  # ids of the sharded expert parameters
+        self.replaced: dict[int, nn.Parameter] = {}  # id of each whole expert parameter -> its sharded replacement
         self.bytes_sent = 0  # all-to-all bytes this rank sent to other ranks since `reset_traffic`
         self.tokens_per_expert: dict[str, torch.Tensor] = {}  # per layer: token slots each local expert computed
         for path, experts in self.modules.items():
@@ -107,6 +108,7 @@ class ExpertParallel:
             replaced = nn.Parameter(sharded, requires_grad=param.requires_grad)
             experts._parameters[name] = replaced
             self.params.add(id(replaced))
+            self.replaced[id(param)] = replaced
         base = type(experts)
         experts.__class__ = type(f"ExpertParallel{base.__name__}", (base,), {"forward": _forward, "_local_forward": base.forward})
         experts._expert_parallel = (self, path)
