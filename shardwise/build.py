@@ -40,7 +40,8 @@ from .parallel.tensor.rules import tensor_parallel_rules
 from .parallel.data.zero import OptimizerParams
 from .parallel.data.float8_gather import check_float8_gather, float8_gathered_weights
 from .parallel.data.zero3 import ParameterShards
-from .parallel.expert import apply_expert_parallel, apply_router_logits_over_replicas, check_expert_parallel
+from .parallel.expert import (apply_expert_parallel, apply_router_logits_over_replicas, check_expert_parallel,
+                              grouped_experts)
 from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
 from .state import ModelIndex
@@ -208,13 +209,14 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     if layout is not None:
         index.tied = tied_across_ranks(module, layout)
         index.stage_of_key = prune_to_stages(module, layout, topology.pp_rank)  # this rank keeps its stages
-    sharded_values = materialize(module, resolved, topology)  # deferred init: each rank's shards only
+    experts = grouped_experts(module) if config.ep > 1 else {}  # found on whole shapes (before deferred init cuts them)
+    sharded_values = materialize(module, resolved, topology, experts)  # deferred init: each rank's shards only
     if topology.size("pp", "cp", "tp") > 1:  # random ops agree inside a replica
         broadcast_rng_state(topology.group("pp", "cp", "tp"), topology.device)
     tensor_parallel = apply_tensor_parallel(module, topology, resolved, sharded_values) if topology.sizes["tp"] > 1 \
         else None
     module.to(topology.device)
-    expert_parallel = apply_expert_parallel(module, topology)
+    expert_parallel = apply_expert_parallel(module, topology, experts)
     experts = expert_parallel.params if expert_parallel is not None else set()
     if expert_parallel is not None and tensor_parallel is not None:  # experts on sequence shards: still partial
         partial = tensor_parallel.partial_grad_params

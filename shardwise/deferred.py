@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
@@ -88,7 +88,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]] = []
+        self.ops: list[tuple[Any, tuple, dict, Any, tuple | None]] = []
         self.freed = FreedMemory()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,7 +96,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         rng_state = None
         if torch.Tag.nondeterministic_seeded in func.tags:
-            rng_state = torch.get_rng_state()
+            # the global stream's state, and that of a generator passed to the op (torch.randn(...,
+            # generator=g)): the scratch run below advances it as eager construction does, so the
+            # replay must start it again from here
+            rng_state = (torch.get_rng_state(), [(g, g.get_state()) for g in _generators(args, kwargs)])
             with no_dispatch():  # a real op on real scratch tensors, past the fake mode
                 scratch = tree_map(_scratch, (args, kwargs))
                 func(*scratch[0], **scratch[1])
@@ -104,6 +107,10 @@ class _Recorder(TorchDispatchMode):
                                if isinstance(t, torch.Tensor) and not is_deferred(t)))
         self.ops.append((func, args, kwargs, out, rng_state))  # holds the fake tensors: storages stay unique
         return out
+
+
+def _generators(args: tuple, kwargs: dict) -> list[torch.Generator]:
+    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Generator)]
 
 
 def _scratch(x: Any) -> Any:
@@ -116,7 +123,7 @@ def _scratch(x: Any) -> Any:
 class DeferredInit:
     """The recorded construction of one module."""
 
-    ops: list[tuple[Any, tuple, dict, Any, torch.Tensor | None]]
+    ops: list[tuple[Any, tuple, dict, Any, tuple | None]]
     peak_bytes: int = 0  # largest total of real tensors alive during replay
     materialized_bytes: int = 0  # parameter and buffer bytes kept by this rank
     done: bool = field(default=False, repr=False)  # replayed (materialized) already
@@ -164,16 +171,21 @@ class _Replay:
 
     def run(self) -> dict[str, torch.Tensor]:
         saved = torch.get_rng_state()
+        generators = {id(g): (g, g.get_state()) for *_, rng in self.ops if rng is not None for g, _ in rng[1]}
         try:
             for i, op in enumerate(self.ops):
                 self.step(i, *op)
         finally:
             torch.set_rng_state(saved)
+            for generator, state in generators.values():  # as the factory left them
+                generator.set_state(state)
         return self.values
 
-    def step(self, i: int, func: Any, args: tuple, kwargs: dict, out: Any, rng_state: torch.Tensor | None) -> None:
+    def step(self, i: int, func: Any, args: tuple, kwargs: dict, out: Any, rng_state: tuple | None) -> None:
         if rng_state is not None:
-            torch.set_rng_state(rng_state)
+            torch.set_rng_state(rng_state[0])
+            for generator, state in rng_state[1]:
+                generator.set_state(state)
         target = self.targets[i]
         if target is not None and _key(target) not in self.real:
             self.register(_key(target), torch.empty_strided(target.shape, target.stride(), dtype=target.dtype,
@@ -280,9 +292,11 @@ def check_materializable(module: nn.Module) -> None:
                          "build a new one with sw.deferred_init for each parallelize")
 
 
-def materialize(module: nn.Module, resolved, topology) -> Callable[[str, Placement], torch.Tensor] | None:
+def materialize(module: nn.Module, resolved, topology,
+                experts: dict[str, nn.Module] | None = None) -> Callable[[str, Placement], torch.Tensor] | None:
     """Materialize a deferred module on this rank: replicated tensors in place, sharded ones
-    returned by the callback for tensor parallelism to wrap. None for an ordinary module."""
+    returned by the callback for tensor parallelism to wrap, expert tensors (of the `experts`
+    modules, ep > 1) as this rank's experts. None for an ordinary module."""
     check_materializable(module)
     record = deferred_record(module)
     if record is None:
@@ -290,11 +304,15 @@ def materialize(module: nn.Module, resolved, topology) -> Callable[[str, Placeme
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     tp, rank = topology.sizes["tp"], topology.tp_rank
     sharded = {n: p for n, p in resolved.params.items() if not isinstance(p, Replicate)} if tp > 1 else {}
+    by_expert = {f"{path}.{leaf}": Shard(0) for path, mod in (experts or {}).items()
+                 for leaf, _ in mod.named_parameters(recurse=False)}
     finals: dict[tuple, list[str]] = {}
     for name, tensor in named:
         finals.setdefault(_key(tensor), []).append(name)
 
     def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+        if name in by_expert:
+            return shard_of(full, by_expert[name], topology.ep_rank, topology.config.ep).clone().to(topology.device)
         placement = sharded.get(name)
         kept = shard_of(full, placement, rank, tp).clone() if placement is not None else full
         return kept.to(topology.device)

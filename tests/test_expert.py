@@ -367,3 +367,9 @@ def test_compiled_blocks_with_experts_dispatched():
 def _compile_fullgraph():
     pm = sw.parallelize(make_moe("mixtral"), sw.ParallelConfig(ep=2))
     pm.compile(fullgraph=True)
+
+
+def test_deferred_init_keeps_only_this_ranks_experts():
+    """sw.deferred_init: each rank materializes its own experts (cut as each tensor is built),
+    with exactly the eager values: training equals one process's."""
+    run_and_compare(4, {"ep": 4}, functools.partial(make_moe, "qwen2_moe"), moe_batches(), deferred=True)

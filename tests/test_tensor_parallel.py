@@ -80,6 +80,40 @@ def test_deferred_init_advances_the_rng_like_eager():
     assert torch.equal(torch.rand(3), after_eager)
 
 
+class _OwnGenerator(nn.Module):
+    """Weights drawn from a generator of the factory's own (torch.randn(..., generator=g))."""
+
+    def __init__(self, generator: torch.Generator):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(8, 8, generator=generator))
+            self.extra = nn.Parameter(torch.rand(4, generator=generator))
+
+    def forward(self, x):
+        return self.fc(x).sum() + self.extra.sum()
+
+
+def _own_generator_values():
+    torch.manual_seed(0)  # nn.Linear's bias (the global stream)
+    generator = torch.Generator().manual_seed(5)
+    pm = sw.parallelize(sw.deferred_init(_OwnGenerator, generator), sw.ParallelConfig())
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}, torch.rand(2, generator=generator)
+
+
+def test_deferred_init_replays_a_factorys_own_generator():
+    """Recording runs each random op once for the stream to advance as eager construction does;
+    the replay must start a generator passed to the op from where it was then (it drew other
+    values, silently, before), and leave it where eager construction leaves it."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(5)
+    eager = _OwnGenerator(generator).state_dict()
+    after = torch.rand(2, generator=generator)
+    values, stream = sw.testing.run_on_ranks(_own_generator_values, 1)[0]
+    assert all(torch.equal(values[k], eager[k]) for k in eager)
+    assert torch.equal(stream, after)
+
+
 # -- the seed's veScale plan, verbatim ----------------------------------------------
 class MLP(nn.Module):
     def __init__(self):

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ...config import ParallelConfig
 from ...errors import ConfigError
@@ -86,7 +86,8 @@ def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
 class ExpertParallel:
     """The sharded experts modules of a model and their dispatch over the ep group."""
 
-    def __init__(self, module: nn.Module, topology: Topology, replica_weight: Callable[[], float] = lambda: 1.0):
+    def __init__(self, module: nn.Module, topology: Topology, modules: dict[str, nn.Module],
+                 replica_weight: Callable[[], float] = lambda: 1.0):
         self.topology = topology
         ranks = topology.expert_ranks()
         self.group = topology.group_of(ranks)
@@ -94,7 +95,7 @@ class ExpertParallel:
         self.rank = topology.ep_rank
         self.mesh = DeviceMesh.from_group(self.group, topology.device.type, mesh=ranks, mesh_dim_names=("ep",))
         self.replica_weight = replica_weight  # set by build once the gradient buckets exist
-        self.modules = grouped_experts(module)
+        self.modules = modules  # `grouped_experts(module)`, found before deferred init cut them
         self.params: set[int] = set()  # ids of the sharded expert parameters
         self.replaced: dict[int, nn.Parameter] = {}  # id of each whole expert parameter -> its sharded replacement
         self.bytes_sent = 0  # all-to-all bytes this rank sent to other ranks since `reset_traffic`
@@ -104,7 +105,10 @@ class ExpertParallel:
 
     def _shard(self, path: str, experts: nn.Module) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), self.mesh, [Shard(0)], src_data_rank=0)
+            if param.shape[0] == experts.num_experts:  # whole: this rank's experts cut from the first rank's
+                sharded = distribute_tensor(param.detach(), self.mesh, [Shard(0)], src_data_rank=0)
+            else:  # deferred init materialized only this rank's experts
+                sharded = DTensor.from_local(param.detach(), self.mesh, [Shard(0)], run_check=False)
             replaced = nn.Parameter(sharded, requires_grad=param.requires_grad)
             experts._parameters[name] = replaced
             self.params.add(id(replaced))
@@ -176,6 +180,6 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     return owner.run(self, path, hidden_states, top_k_index, top_k_weights)
 
 
-def apply_expert_parallel(module: nn.Module, topology: Topology) -> ExpertParallel | None:
-    """Shard `module`'s experts over the ep group (None when ep == 1)."""
-    return ExpertParallel(module, topology) if topology.config.ep > 1 else None
+def apply_expert_parallel(module: nn.Module, topology: Topology, modules: dict[str, nn.Module]) -> ExpertParallel | None:
+    """Shard the experts `modules` of `module` over the ep group (None when ep == 1)."""
+    return ExpertParallel(module, topology, modules) if topology.config.ep > 1 else None
