@@ -18,7 +18,7 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
           "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp",
-          "aux-loss-per-replica")
+          "aux-loss-per-replica", "jitter-per-shard", "cp-random-per-shard", "expert-dispatch-draws")
 
 
 class _NoAllReduce:
@@ -58,6 +58,16 @@ def inject(name: str, config: dict) -> None:
             return original_run(self, module, path, hidden, flat.view_as(index), weights)
 
         experts.ExpertParallel.run = capped
+    elif name == "expert-dispatch-draws":  # the expert-parallel path draws a random number (a random tie-break)
+        import shardwise.parallel.expert.experts as experts
+
+        original_dispatch = experts.ExpertParallel.run
+
+        def drawing(self, *args):
+            torch.rand(1)
+            return original_dispatch(self, *args)
+
+        experts.ExpertParallel.run = drawing
     elif name == "aux-loss-per-replica":  # the load-balancing loss over each replica's own tokens
         build.apply_router_logits_over_replicas = lambda *args, **kwargs: None
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
@@ -149,6 +159,10 @@ def inject(name: str, config: dict) -> None:
     elif name == "cp-attention-local":  # each cp rank's queries attend to its own tokens only
         context.context_parallel_attention = lambda q, k, v, group, **kwargs: F.scaled_dot_product_attention(
             q, k, v, **kwargs)
+    elif name == "cp-random-per-shard":  # dropout and random fills on a cp shard draw for the shard alone
+        context.SequenceDraws.intercepts = lambda self, func, args: False
+    elif name == "jitter-per-shard":  # a router's input jitter drawn for each sequence shard alone
+        tensor.ShardedJitter.install = lambda self, module: None
     elif name == "cp-loss-unweighted":  # cp shards' mean losses averaged whatever their counted tokens
         context.ContextParallel.loss_weights = lambda self, batch, parts: [1.0] * parts
     elif name == "cp-positions-local":  # no position_ids: the model numbers a shard's tokens from 0

@@ -139,10 +139,11 @@ class Run:
 
 def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan=None, deferred: bool = False,
                    clip: float | None = None, optimizer: str = "sgd", fault: str | None = None,
-                   compile_kwargs: dict | None = None) -> Run:
+                   compile_kwargs: dict | None = None, every_step: bool = False) -> Run:
     """On each rank: parallelize, train with train_step and sw.build_optimizer. `fault`
     (or SHARDWISE_TEST_FAULT) breaks one mechanism first (tests/faults.py); with
-    `compile_kwargs`, `pmodel.compile(**compile_kwargs)` before the first step."""
+    `compile_kwargs`, `pmodel.compile(**compile_kwargs)` before the first step; `every_step`:
+    every step's gradients and the initial parameters, as a reference run records them."""
     import torch.distributed as dist
 
     import faults
@@ -159,9 +160,12 @@ def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan
         pm.compile(**compile_kwargs)
     index, count = sw.data_parallel_info(pm)
     run = Run([], [])
+    if every_step:
+        run.initial = {k: _full(v) for k, v in pm.full_state_dict().items()}
+        run.parameter_of = _first_names(pm.module)
     for batch in batches:
         run.losses.append(float(pm.train_step(replica_slice(batch, index, count))))
-        if not run.grads:
+        if not run.grads or every_step:
             run.grads.append({k: v.clone() for k, v in pm.full_grad_dict().items()})
         if clip is not None:
             run.norms.append(float(opt.clip_grad_norm(clip)))
@@ -169,6 +173,14 @@ def train_parallel(config: dict, factory: Callable[[], nn.Module], batches, plan
         opt.zero_grad()
     run.final = {k: _full(v) for k, v in pm.full_state_dict().items()}
     return run
+
+
+def _first_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter name -> the first name of the same parameter (tied ones share it)."""
+    first = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None = None, optimizer: str = "sgd",
@@ -181,10 +193,7 @@ def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None 
     cls, kwargs = optimizer_for(optimizer)
     opt = cls(model.parameters(), **kwargs)
     run = Run([], [], initial={k: v.detach().clone() for k, v in model.state_dict().items()})
-    first = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(param), name)
-    run.parameter_of = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    run.parameter_of = _first_names(model)
     for batch in batches:
         if microbatches == 1:
             value = loss(model, batch) if loss is not None else _loss_value(model(batch))

@@ -10,7 +10,8 @@ magnitudes it sums (parity.py's derivation of EPS_LOSS); parameters entering lat
 by the SGD bound, of the same order, so a gap above 4·EPS_LOSS·M cannot flip. The routers start
 from N(0, 1) weights (seed 3) so that every token of every step clears it (by 2.1x at least on
 the machine that chose the seed; the reference itself moves by at most a quarter of the margin
-from one machine to another).
+from one machine to another). Runs that draw random numbers (router jitter, attention dropout)
+route other tokens, so they start from RANDOM_ROUTER_SEED, chosen the same way.
 """
 
 from __future__ import annotations
@@ -22,25 +23,31 @@ import torch
 import transformers
 
 import shardwise as sw
-from parity import EPS_LOSS, Case, compare_cases, corpus_batches, reference_run, run_and_compare
+from parity import (EPS_LOSS, Case, assert_meaningful, assert_parity, compare_cases, corpus_batches, reference_run,
+                    run_and_compare, train_parallel)
 from shardwise.parallel.expert import check_expert_parallel
 from test_zoo import EndToEnd
 
 ROUTER_SEED = 3
+RANDOM_ROUTER_SEED = 19  # with router jitter and attention dropout: every margin clears it by 3.1x here
 
 
-def make_moe(kind: str, experts: int = 4, aux_loss: bool = False) -> EndToEnd:
+def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float = 0.0,
+             attention_dropout: float = 0.0, router_seed: int = ROUTER_SEED) -> EndToEnd:
+    """`jitter`: Mixtral's router input jitter (uniform noise on every token the router sees)."""
     torch.manual_seed(0)
     t = transformers
     common = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux_loss)
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux_loss,
+                  attention_dropout=attention_dropout)
     if kind == "mixtral":
-        model = t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=32, num_local_experts=experts, **common))
+        model = t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=32, num_local_experts=experts,
+                                                     router_jitter_noise=jitter, **common))
     else:
         model = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=32, num_experts=experts,
             decoder_sparse_step=1, **common))
-    generator = torch.Generator().manual_seed(ROUTER_SEED)
+    generator = torch.Generator().manual_seed(router_seed)
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__.endswith("TopKRouter"):
@@ -53,20 +60,27 @@ def moe_batches(steps: int = 4, seq: int = 8) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": t, "labels": t.clone()} for t in corpus_batches(steps, 4, seq=seq)]
 
 
+def _record_gap(ratios: list[float], router, args, out) -> None:
+    """A router's forward hook: the smallest gap of this call, in units of 4·EPS_LOSS·M."""
+    hidden, logits = args[0].reshape(-1, router.hidden_dim).detach(), out[0].detach()
+    top = logits.sort(-1, descending=True).values
+    gap = top[:, router.top_k - 1] - top[:, router.top_k]
+    magnitude = (hidden.abs() @ router.weight.detach().abs().T).max(-1).values
+    ratios.append(float((gap / (4 * EPS_LOSS * magnitude)).min()))
+
+
+def _routers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
 def routing_margin(factory, batches) -> float:
     """The smallest (k-th minus (k+1)-th router logit) / (4·EPS_LOSS·M) over every token, layer
     and step of the one-process run; above 1, no run within rounding routes differently."""
     ratios = []
-
-    def record(router, args, out):
-        hidden, logits = args[0].reshape(-1, router.hidden_dim).detach(), out[0].detach()
-        top = logits.sort(-1, descending=True).values
-        gap = top[:, router.top_k - 1] - top[:, router.top_k]
-        magnitude = (hidden.abs() @ router.weight.detach().abs().T).max(-1).values
-        ratios.append(float((gap / (4 * EPS_LOSS * magnitude)).min()))
+    record = functools.partial(_record_gap, ratios)
 
     def loss(model, batch):
-        hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        hooks = [m.register_forward_hook(record) for m in _routers(model)]
         try:
             return model(batch)
         finally:
@@ -77,10 +91,12 @@ def routing_margin(factory, batches) -> float:
     return min(ratios)
 
 
-@pytest.mark.parametrize("kind, aux_loss, seq", [("mixtral", False, 8), ("qwen2_moe", False, 8), ("mixtral", True, 8),
-                                                 ("qwen2_moe", True, 8), ("mixtral", False, 7), ("qwen2_moe", False, 7)])
-def test_routing_clears_rounding(kind, aux_loss, seq):
-    assert routing_margin(functools.partial(make_moe, kind, aux_loss=aux_loss), moe_batches(seq=seq)) > 1.0
+@pytest.mark.parametrize("kind, options, seq", [("mixtral", {}, 8), ("qwen2_moe", {}, 8),
+                                                ("mixtral", {"aux_loss": True}, 8), ("qwen2_moe", {"aux_loss": True}, 8),
+                                                ("mixtral", {}, 7), ("qwen2_moe", {}, 7),
+                                                ("mixtral", {"jitter": 0.1, "router_seed": RANDOM_ROUTER_SEED}, 7)])
+def test_routing_clears_rounding(kind, options, seq):
+    assert routing_margin(functools.partial(make_moe, kind, **options), moe_batches(seq=seq)) > 1.0
 
 
 EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
@@ -96,6 +112,9 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
 AUX_LAYOUTS = {2: {"dp2": {}}, 4: {"ep2 x dp2": {"ep": 2}, "ep4": {"ep": 4}}}  # the loss over the whole batch
 SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
                                "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
+# Mixtral's router jitter (uniform noise on the router's input): one process's noise exists only
+# without dp; on sequence shards each tp rank takes its part of the noise drawn for the whole input
+JITTER_LAYOUTS = {2: {"tp2 + sp": {"tp": 2, "sequence_parallel": True}, "tp2": {"tp": 2}}, 4: {}}
 
 
 @pytest.mark.parametrize("world", sorted(EP_LAYOUTS))
@@ -110,7 +129,53 @@ def test_expert_parallel_parity(world):
                    moe_batches()) for kind in ("mixtral", "qwen2_moe") for name, config in AUX_LAYOUTS[world].items()]
     cases += [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(seq=7), plan=kind)
               for kind in ("mixtral", "qwen2_moe") for name, config in SEQUENCE_LAYOUTS[world].items()]
+    jittered = functools.partial(make_moe, "mixtral", jitter=0.1, router_seed=RANDOM_ROUTER_SEED)
+    cases += [Case(f"mixtral {name} router jitter", config, jittered, moe_batches(seq=7), plan="mixtral")
+              for name, config in JITTER_LAYOUTS[world].items()]
     compare_cases(world, cases)
+
+
+def _replicated_then_expert_parallel(kinds: list[str], fault: str | None = None):
+    """Per kind: dp2 with every expert on each replica (recording the routing margin of its
+    forwards), then ep2 (with `fault` injected), both with attention dropout and, for Mixtral,
+    router jitter."""
+    out = []
+    for kind in kinds:
+        factory = functools.partial(make_moe, kind, attention_dropout=0.2, jitter=0.1 if kind == "mixtral" else 0.0,
+                                    router_seed=RANDOM_ROUTER_SEED)
+        ratios = []
+
+        def recorded():
+            model = factory()
+            for router in _routers(model):
+                router.register_forward_hook(functools.partial(_record_gap, ratios))
+            return model
+
+        replicated = train_parallel({}, recorded, moe_batches(), every_step=True)
+        out.append((replicated, train_parallel({"ep": 2}, factory, moe_batches(), fault=fault), min(ratios)))
+    return out
+
+
+def test_random_draws_under_ep_are_those_of_replicated_experts():
+    """Dropout and router jitter draw on each replica's own tokens (one process's masks exist
+    only without dp, as for dense models): ep moves token slots between ranks, which must not
+    change a single random number the replicas draw. So ep2 with attention dropout and router
+    jitter matches dp2 with the experts at home, within the parity bounds (whose reference is
+    the dp2 run, its own routing margin checked as the one-process one is)."""
+    kinds = ["mixtral", "qwen2_moe"]
+    for rank, runs in enumerate(sw.testing.run_on_ranks(_replicated_then_expert_parallel, 2, kinds)):
+        for kind, (replicated, expert_parallel, margin) in zip(kinds, runs):
+            assert margin > 1.0, (kind, margin)
+            assert_meaningful(replicated)
+            assert_parity(replicated, expert_parallel)
+
+
+def test_random_draws_under_ep_fail_under_fault():
+    """The ep path drawing one random number of its own shifts every later draw."""
+    replicated, expert_parallel, _ = sw.testing.run_on_ranks(_replicated_then_expert_parallel, 2, ["mixtral"],
+                                                             "expert-dispatch-draws")[0][0]
+    with pytest.raises(AssertionError):
+        assert_parity(replicated, expert_parallel)
 
 
 def _sharded_and_checkpointed(path: str):
@@ -220,6 +285,14 @@ def test_expert_parity_fails_under_fault(fault):
     factory = functools.partial(make_moe, "mixtral", aux_loss=fault == "aux-loss-per-replica")
     with pytest.raises(AssertionError):
         run_and_compare(4, {"ep": 2}, factory, moe_batches(), fault=fault)
+
+
+def test_router_jitter_parity_fails_under_fault():
+    """Each sequence shard drawing its own router jitter (the noise of its shard's shape)."""
+    with pytest.raises(AssertionError):
+        run_and_compare(2, {"tp": 2, "sequence_parallel": True},
+                        functools.partial(make_moe, "mixtral", jitter=0.1, router_seed=RANDOM_ROUTER_SEED),
+                        moe_batches(seq=7), plan="mixtral", fault="jitter-per-shard")
 
 
 def test_refusals():

@@ -179,6 +179,37 @@ class ShardedDropout(nn.Dropout):
         return x * mask.chunk(self.tp.size, self.dim)[self.tp.rank]
 
 
+class ShardedJitter:
+    """Forward hooks for a mixture-of-experts block that multiplies its input by uniform noise
+    in training (Mixtral's `jitter_noise`) and takes a tp shard of the data (dim `dim`): the
+    noise one process draws for the whole input, this rank's shard of it (every tp rank draws
+    from the same generator state); the block's own draw is switched off around its forward."""
+
+    def __init__(self, tp: TensorParallel, dim: int):
+        self.tp, self.dim = tp, dim
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, always_call=True)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        noise = module.jitter_noise
+        if not module.training or not noise:
+            return None
+        x = args[0] if args else kwargs["hidden_states"]
+        full = list(x.shape)
+        full[self.dim] *= self.tp.size
+        drawn = torch.empty(full, dtype=x.dtype, device=x.device).uniform_(1.0 - noise, 1.0 + noise)
+        x = x * drawn.chunk(self.tp.size, self.dim)[self.tp.rank]
+        module._sharded_jitter, module.jitter_noise = noise, 0.0
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    @staticmethod
+    def after(module: nn.Module, args: tuple, output: Any) -> None:
+        if getattr(module, "_sharded_jitter", None) is not None:
+            module.jitter_noise, module._sharded_jitter = module._sharded_jitter, None
+
+
 def replace_module(root: nn.Module, original: nn.Module, replacement: nn.Module) -> None:
     """Put `replacement` wherever `original` is a child in `root`'s tree."""
     for path, mod in list(root.named_modules(remove_duplicate=False)):

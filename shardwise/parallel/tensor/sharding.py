@@ -17,7 +17,7 @@ what X's rule needs); `X.output` asks for X's output to be redistributed to a pl
 module whose declared input is sharded along a data dim (e.g. a norm under sequence
 parallelism) runs on shards: its replicated parameters get partial gradients, summed over
 tp in the gradient buckets, and a Dropout there becomes a `ShardedDropout`, drawing the
-mask one process would draw.
+mask one process would draw (a router's input jitter, `ShardedJitter`, the same noise).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from ...topology import Topology
 from ...compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS, all_gather_single
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
-from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, install_rule, replace_module,
-                    tensor_parallel_rules)
+from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, ShardedJitter, install_rule,
+                    replace_module, tensor_parallel_rules)
 
 
 class TensorParallel:
@@ -405,6 +405,8 @@ def _install_activation_conversions(module: nn.Module, tp: TensorParallel) -> No
             tp.partial_grad_params.update(id(param) for param in mod.parameters(recurse=False))
             if isinstance(mod, nn.Dropout) and type(mod).forward is nn.Dropout.forward:
                 replace_module(module, mod, mod := ShardedDropout(mod, tp, first.dim))
+            if isinstance(getattr(mod, "jitter_noise", None), (int, float)) and tp.size > 1:
+                ShardedJitter(tp, first.dim).install(mod)
         signature = tp._signatures.setdefault(type(mod), ForwardArguments(mod.forward))
         if any(t is not None and isinstance(t[0], Conversion) for t in placements):
             mod.register_forward_pre_hook(functools.partial(
