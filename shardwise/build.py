@@ -28,7 +28,8 @@ from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
-from .parallel.context.sequence import ContextParallel, SequenceShards, check_attention, refuse_shifted_labels, shard_batch
+from .parallel.context.sequence import (ContextParallel, SequenceShards, check_attention, refuse_shifted_labels,
+                                        shard_batch, whole_sequence_draws)
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast, sync_batchnorm
 from .parallel.data.gradients import apply_data_parallel
@@ -228,7 +229,8 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
         pipeline = Pipeline(module, pipelined.shadow, pipelined.fake_mode, topology, layout, config.schedule,
                             config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
                             functools.partial(forward_context, tensor_parallel, context_parallel, module)
-                            if tensor_parallel is not None or context_parallel is not None else None)
+                            if tensor_parallel is not None or context_parallel is not None else None,
+                            pipelined.draws)
     if config.sync_batchnorm and topology.sizes["dp"] > 1:
         sync_batchnorm(module, topology.group("dp"))
     fp32_values = apply_mixed_precision(module, config)
@@ -316,6 +318,7 @@ class PipelineCapture:
     microbatch: Any
     program: Any
     layout: StageLayout
+    draws: Any = None  # under cp: the mode drawing a shard's random numbers as the stages will
 
 
 def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> PipelineCapture:
@@ -332,8 +335,10 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
             f"schedule {config.schedule!r} needs microbatches divisible by pp={config.pp}, got {config.microbatches}"
         )
     microbatch = split_batch(sample, config.microbatches)[0]
+    draws = whole_sequence_draws(config.cp, config.sequence_dim) if config.cp > 1 else None
     try:
-        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts)
+        program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts,
+                                                           draws)
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
@@ -343,7 +348,7 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         refuse_shifted_labels(program.steps)
     layout = layout_stages(module, plan, config, program)
     split(program, layout.stage_of, layout.num_stages)  # values flowing against the stage order are refused now
-    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout)
+    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout, draws)
 
 
 def _fake_mode_of(module: nn.Module) -> Any:

@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from parity import Case, compare_cases, corpus_batches, make_gpt
+from parity import Case, compare_cases, corpus_batches, make_gpt, run_and_compare
 from shardwise.errors import BatchError, ModelError
 from shardwise.models import CausalLM
 from shardwise.parallel.context.sequence import SequenceShards, context_parallel_attention
@@ -113,9 +113,15 @@ def test_attention_dropout_is_refused():
         assert "set the attention dropout to 0 for cp > 1" in message
 
 
-def make(kind: str) -> nn.Module:
+def make(kind: str, dropout: float = 0.0) -> nn.Module:
+    """`dropout`: our GPT's embedding and residual dropout; Mixtral's router jitter (noise drawn
+    by `uniform_` on the router's input)."""
     if kind == "gpt":
-        return make_gpt(block_size=16)
+        return make_gpt(block_size=16, dropout=dropout)
+    if kind == "mixtral":
+        from test_expert import make_moe
+
+        return CausalLM(make_moe("mixtral", jitter=dropout, router_seed=JITTER_ROUTER_SEED).lm)
     torch.manual_seed(0)
     t = transformers
     config_class, model_class = {"llama": (t.LlamaConfig, t.LlamaForCausalLM),
@@ -141,6 +147,9 @@ def cp_batches(steps: int = 4, uneven: bool = False) -> list[dict]:
     return out
 
 
+JITTER_ROUTER_SEED = 13  # Mixtral's routing margin (tests/test_expert.py) over cp_batches: 2.4x here
+RANDOM_LAYOUTS = {2: {"cp2": {"cp": 2}}, 4: {"cp2 x tp2 sp": {"cp": 2, "tp": 2, "sequence_parallel": True},
+                                            "cp2 x pp2": {"cp": 2, "pp": 2, "microbatches": 2}}}
 CP_LAYOUTS = {2: {"cp2": {"cp": 2}},
               4: {"cp4": {"cp": 4}, "cp2 x dp2": {"cp": 2, "dp": 2},
                   "cp2 x tp2 sp": {"cp": 2, "tp": 2, "sequence_parallel": True},
@@ -165,7 +174,21 @@ def test_context_parallel_parity(world):
                    cp_batches(uneven=True), optimizer="adamw" if kind == "gpt" else "sgd",
                    reference_microbatches=uneven.get("microbatches", 1))  # (a mean over microbatches' means)
               for kind in ("gpt", "llama")]
+    # random numbers drawn for a shard's tokens: the whole sequence's, cut like it (without dp, one
+    # process's masks exist; pp draws them per microbatch, in order)
+    cases += [Case(f"gpt {name} dropout", config, functools.partial(make, "gpt", 0.2), cp_batches(), optimizer="adamw",
+                   plan="gpt" if config.get("tp", 1) > 1 else None,
+                   reference_microbatches=config.get("microbatches", 1)) for name, config in RANDOM_LAYOUTS[world].items()]
+    if world == 2:
+        cases.append(Case("mixtral cp2 router jitter", {"cp": 2}, functools.partial(make, "mixtral", 0.1), cp_batches()))
     compare_cases(world, cases)
+
+
+def test_random_draws_fail_under_fault():
+    """Each cp rank drawing dropout masks for its own shard of the sequence."""
+    with pytest.raises(AssertionError):
+        run_and_compare(2, {"cp": 2}, functools.partial(make, "gpt", 0.2), cp_batches(), optimizer="adamw",
+                        fault="cp-random-per-shard")
 
 
 class EagerAttention(nn.Module):

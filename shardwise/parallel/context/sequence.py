@@ -27,7 +27,9 @@ loss by its share of the counted label tokens, and, around the module's forward 
 recomputation, routes `F.scaled_dot_product_attention` to `context_parallel_attention`.
 Attention computed any other way (an eager softmax over the shard's own keys) and labels the
 model shifts itself (Hugging Face's `labels=` path) would be silently wrong across shards:
-both are refused.
+both are refused. Random numbers drawn for a shard's activations (dropout, a router's input
+jitter) are drawn for the whole sequence and cut like it, so every rank applies the masks
+one process applies to its tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,64 @@ class SequenceShards:
     def split_for(self, tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
         """Rank `rank`'s tokens of a whole-sequence tensor."""
         return tensor.index_select(dim, self.positions(tensor.shape[dim], rank, device=tensor.device))
+
+
+@dataclass(frozen=True)
+class SequenceDraws:
+    """Random numbers for one rank's tokens (`local_len` of them along `dim`) drawn as one
+    process draws them for the whole sequence: dropout's mask, and in-place random fills
+    (`uniform_`, `normal_`, ...; a router's input jitter) of an activation (batch, tokens,
+    features...), are drawn for the whole sequence and cut as `shards` cuts it. Every cp rank
+    draws from the same generator state, so each applies one process's numbers to its tokens."""
+
+    shards: SequenceShards
+    dim: int
+    local_len: int
+
+    def intercepts(self, func: Any, args: tuple) -> bool:
+        if func is not F.dropout and func not in _RANDOM_FILLS:
+            return False
+        x = args[0] if args else None
+        return (isinstance(x, torch.Tensor) and x.dim() >= 3 and x.dim() > self.dim
+                and x.shape[self.dim] == self.local_len)
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        x, *rest = args
+        shape = list(x.shape)
+        shape[self.dim] *= self.shards.size
+        if func is F.dropout:
+            return self._dropout(x, shape, *rest, **kwargs)
+        whole = x.new_empty(shape)
+        func(whole, *rest, **kwargs)
+        return x.copy_(self.shards.split(whole, self.dim))
+
+    def _dropout(self, x: torch.Tensor, shape: list[int], p: float = 0.5, training: bool = True,
+                 inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return x
+        mask = self.shards.split(F.dropout(x.new_ones(shape), p, True), self.dim)
+        return x.mul_(mask) if inplace else x * mask
+
+
+class WholeSequenceDraws(TorchFunctionMode):
+    """`SequenceDraws` for every op run inside it (a pipeline's capture of a cp shard: it
+    records the random ops as the stages will run them)."""
+
+    def __init__(self, draws: SequenceDraws):
+        super().__init__()
+        self.draws = draws
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.draws.intercepts(func, args):
+            return self.draws.run(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def whole_sequence_draws(size: int, dim: int) -> Callable[[Any], WholeSequenceDraws]:
+    """For a cp shard of a batch (a microbatch of it): the mode drawing its random numbers as
+    the cp ranks do."""
+    return lambda part: WholeSequenceDraws(SequenceDraws(SequenceShards(size, 0), dim, part["labels"].shape[dim]))
 
 
 def sequence_shards(group: dist.ProcessGroup) -> SequenceShards:
@@ -258,6 +318,7 @@ class ContextParallel:
         self.shards = sequence_shards(group)
         self.sequence_dim = sequence_dim
         self.local_len = 0  # tokens per rank in the batch being run
+        self.draws = SequenceDraws(self.shards, sequence_dim, 0)  # random numbers for them (set per batch)
         self._counted = [0, 0]  # this step's K/V all-gathers and bytes received, eager
         self._traffic = torch.zeros(2, dtype=torch.int64)  # the same, counted inside compiled code
         self._routing = False  # one routing mode at a time: a second would gather K/V twice
@@ -266,6 +327,7 @@ class ContextParallel:
         """This rank's part of `batch` (see `shard_batch`)."""
         local = shard_batch(batch, self.shards, self.sequence_dim)
         self.local_len = local["labels"].shape[self.sequence_dim]
+        self.draws = SequenceDraws(self.shards, self.sequence_dim, self.local_len)
         return local
 
     def loss_weights(self, batch: Mapping, parts: int) -> list[float]:
@@ -369,6 +431,8 @@ class _ShardedAttention(TorchFunctionMode):
                 f"under context parallelism a softmax over a {tuple(args[0].shape)} tensor looks like attention "
                 "computed by hand over this rank's keys only; call torch.nn.functional.scaled_dot_product_attention "
                 "(Hugging Face: attn_implementation='sdpa'), which shardwise computes over the whole sequence")
+        if self.cp.draws.intercepts(func, args):
+            return self.cp.draws.run(func, args, kwargs)
         if func is F.pad and _shifts_labels(args, kwargs):
             raise ModelError(_SHIFTED_LABELS)
         if func in _LOSSES and kwargs.get("reduction", args[_LOSSES[func]] if len(args) > _LOSSES[func] else None) == "sum":
@@ -392,6 +456,7 @@ _LOSSES = {F.cross_entropy: 6, F.nll_loss: 6}  # position of `reduction` among t
 _ATEN_SUM = 2  # aten's Reduction::Sum
 
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
+_RANDOM_FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.exponential_)
 
 
 def _attention_shaped(x: Any, local_len: int) -> bool:

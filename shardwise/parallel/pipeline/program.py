@@ -31,10 +31,11 @@ seconds per shape. This capture keeps modules whole and costs one fake forward.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -232,14 +233,15 @@ class _Builder:
 
 
 def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode | None = None,
-                   parts: list[str] | tuple[str, ...] = ()) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
+                   parts: list[str] | tuple[str, ...] = (), draws: Callable[[Any], Any] | None = None,
+                   ) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
     """Capture `module`'s forward on `microbatch` at the units of plan/stages.py: the program,
     the fake shadow it ran on (kept to capture other shapes later), its fake mode and the units."""
     from ...plan.stages import candidate_units
 
     units = candidate_units(module, parts)
     shadow, fake_mode = fake_shadow(module, fake_mode)
-    return capture(shadow, fake_mode, microbatch, units), shadow, fake_mode, units
+    return capture(shadow, fake_mode, microbatch, units, draws), shadow, fake_mode, units
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -248,8 +250,11 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units: list[str]) -> Program:
-    """Run `shadow`'s forward on a fake copy of `microbatch`, recording the unit program."""
+def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units: list[str],
+            draws: Callable[[Any], Any] | None = None) -> Program:
+    """Run `shadow`'s forward on a fake copy of `microbatch`, recording the unit program.
+    `draws(microbatch)`: a mode to run it in that draws random numbers as the real forward
+    does (context parallelism's whole-sequence draws), so the recorded random ops replay them."""
     from torch.utils.flop_counter import FlopCounterMode
 
     builder = _Builder(shadow, units)
@@ -280,7 +285,8 @@ def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units
         with fake_mode:
             batch = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, microbatch)
             inputs = [builder.bind(t) for t in tensor_leaves(batch)]
-            with torch.enable_grad(), counter, _Recorder(builder):
+            with torch.enable_grad(), counter, _Recorder(builder), \
+                    draws(microbatch) if draws is not None else contextlib.nullcontext():
                 out = shadow(batch)
     finally:
         for handle in handles:

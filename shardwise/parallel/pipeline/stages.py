@@ -202,7 +202,8 @@ class Pipeline:
 
     def __init__(self, module: nn.Module, shadow: nn.Module, fake_mode, topology: Topology, layout: StageLayout,
                  schedule: str, microbatches: int, units: list[str], sample: Any, program: Program,
-                 forward_context: Callable[[], contextlib.AbstractContextManager] | None):
+                 forward_context: Callable[[], contextlib.AbstractContextManager] | None,
+                 draws: Callable[[Any], Any] | None = None):
         self.module = module
         self.shadow = shadow
         self.fake_mode = fake_mode
@@ -219,6 +220,7 @@ class Pipeline:
         # around each stage forward (tensor parallel's checks, context parallel's attention); none: plain
         self.plain_forward = forward_context is None
         self.forward_context = forward_context or contextlib.nullcontext
+        self.draws = draws  # the mode a capture runs in to record random ops as the stages draw them
         self._sync: GradientSync | None = None
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
@@ -242,7 +244,7 @@ class Pipeline:
         key = (self._signature(microbatch), self.module.training)
         if key not in self._captured:
             self._captured[key] = capture(self.shadow, self.fake_mode, map_tensors(microbatch, lambda t: t.cpu()),
-                                          self.units)
+                                          self.units, self.draws)
         return self._captured[key]
 
     def compiled(self, microbatch: Any) -> Compiled:
