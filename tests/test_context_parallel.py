@@ -108,6 +108,26 @@ def _dropout_refused() -> str:
     return "no error"
 
 
+def test_random_draws_on_a_shard_are_the_whole_sequences():
+    """Under the cp draws each rank's dropout mask, random fills and rand_like are its tokens'
+    part of what one process draws for the whole sequence, bit for bit."""
+    from shardwise.parallel.context.sequence import SequenceDraws, WholeSequenceDraws
+
+    draws = {"dropout": lambda x: F.dropout(x, 0.3, True), "uniform_": lambda x: x.uniform_(0.9, 1.1),
+             "normal_": lambda x: x.normal_(), "bernoulli_": lambda x: x.bernoulli_(0.4),
+             "rand_like": torch.rand_like, "randn_like": torch.randn_like}
+    for size in (2, 4):
+        for name, draw in draws.items():
+            torch.manual_seed(5)
+            whole = draw(torch.ones(3, 8 * size, 4))
+            for rank in range(size):
+                shards = SequenceShards(size, rank)
+                torch.manual_seed(5)
+                with WholeSequenceDraws(SequenceDraws(shards, 1, 8)):
+                    mine = draw(torch.ones(3, 8, 4))
+                assert torch.equal(mine, shards.split(whole, 1)), (name, size, rank)
+
+
 def test_attention_dropout_is_refused():
     for message in sw.testing.run_on_ranks(_dropout_refused, 2):
         assert "set the attention dropout to 0 for cp > 1" in message

@@ -92,9 +92,9 @@ class SequenceShards:
 @dataclass(frozen=True)
 class SequenceDraws:
     """Random numbers for one rank's tokens (`local_len` of them along `dim`) drawn as one
-    process draws them for the whole sequence: dropout's mask, and in-place random fills
-    (`uniform_`, `normal_`, ...; a router's input jitter) of an activation (batch, tokens,
-    features...), are drawn for the whole sequence and cut as `shards` cuts it. Every cp rank
+    process draws them for the whole sequence: dropout's mask, in-place random fills
+    (`uniform_`, `normal_`, ...; a router's input jitter) and `rand_like` / `randn_like` of an
+    activation (batch, tokens, features...) are drawn for the whole sequence and cut as `shards` cuts it. Every cp rank
     draws from the same generator state, so each applies one process's numbers to its tokens."""
 
     shards: SequenceShards
@@ -102,7 +102,7 @@ class SequenceDraws:
     local_len: int
 
     def intercepts(self, func: Any, args: tuple) -> bool:
-        if func is not F.dropout and func not in _RANDOM_FILLS:
+        if func is not F.dropout and func not in _RANDOM_FILLS and func not in _RANDOM_LIKE:
             return False
         x = args[0] if args else None
         return (isinstance(x, torch.Tensor) and x.dim() >= 3 and x.dim() > self.dim
@@ -114,6 +114,8 @@ class SequenceDraws:
         shape[self.dim] *= self.shards.size
         if func is F.dropout:
             return self._dropout(x, shape, *rest, **kwargs)
+        if func in _RANDOM_LIKE:
+            return self.shards.split(func(x.new_empty(shape), *rest, **kwargs), self.dim)
         whole = x.new_empty(shape)
         func(whole, *rest, **kwargs)
         return x.copy_(self.shards.split(whole, self.dim))
@@ -457,6 +459,7 @@ _ATEN_SUM = 2  # aten's Reduction::Sum
 
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
 _RANDOM_FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.exponential_)
+_RANDOM_LIKE = (torch.rand_like, torch.randn_like)
 
 
 def _attention_shaped(x: Any, local_len: int) -> bool:
