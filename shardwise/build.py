@@ -238,8 +238,9 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     partial_over_tp = tensor_parallel.partial_grad_params if tensor_parallel is not None else set()
     gradients = apply_data_parallel(module, topology, config, partial_over_tp, index.tied, units,
                                     _stages_of_rank(layout, topology.pp_rank), set(float8_gathered), experts)
-    if expert_parallel is not None:  # a replica's share of the batch, over the replicas an expert's tokens come from
-        expert_parallel.replica_weight = lambda: gradients.replica_weight / topology.sizes["dp"]
+    if expert_parallel is not None:  # a replica's share of the batch, over the replicas (and cp shards, each
+        # of whose losses is weighted by its share of the tokens) an expert's tokens come from: the mean's scale
+        expert_parallel.replica_weight = lambda: gradients.replica_weight / topology.size("dp", "cp")
     router_logits = apply_router_logits_over_replicas(module, topology)
     if router_logits is not None:
         router_logits.replica_weight = lambda: gradients.replica_weight

@@ -133,11 +133,6 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")
-        if self.ep > 1:
-            if self.cp > 1:
-                raise ConfigError(f"ep={self.ep} with cp={self.cp}: experts would receive context-parallel sequence "
-                                  "shards, which shardwise does not route yet; use ep with dp, tp (+ sequence "
-                                  "parallelism), pp and ZeRO, or ep=1")
         if not _finite_positive(self.bucket_mb):
             raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, finite, e.g. 25")
         if not _finite_positive(self.timeout_s) or self.timeout_s > MAX_TIMEOUT_S:

@@ -198,10 +198,12 @@ class Topology:
         return dp[start:start + ep]
 
     def expert_replica_ranks(self, with_tp: bool = False) -> list[int]:
-        """The data-parallel ranks holding the same experts as this one (every ep-th), and with
+        """The data-parallel ranks holding the same experts as this one (every ep-th), at every
+        cp coordinate (cp peers hold the same experts and compute other tokens), and with
         `with_tp` their tensor-parallel peers: where expert gradients are reduced."""
         tps = range(self.sizes["tp"]) if with_tp else [self.tp_rank]
-        return sorted(r for t in tps for r in self.ranks_at(["dp"], tp=t)[self.ep_rank::self.config.ep])
+        return sorted(r for t in tps for c in range(self.sizes["cp"])
+                      for r in self.ranks_at(["dp"], tp=t, cp=c)[self.ep_rank::self.config.ep])
 
     def size(self, *dims: str) -> int:
         """Number of ranks in this rank's group spanning `dims`."""

@@ -18,7 +18,8 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "pp-random-unscheduled", "gathered-input-reduced-twice", "cp-attention-local", "cp-loss-unweighted",
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
           "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp",
-          "aux-loss-per-replica", "jitter-per-shard", "cp-random-per-shard", "expert-dispatch-draws")
+          "aux-loss-per-replica", "jitter-per-shard", "cp-random-per-shard", "expert-dispatch-draws",
+          "expert-grads-without-cp", "expert-weight-without-cp")
 
 
 class _NoAllReduce:
@@ -68,6 +69,21 @@ def inject(name: str, config: dict) -> None:
             return original_dispatch(self, *args)
 
         experts.ExpertParallel.run = drawing
+    elif name == "expert-grads-without-cp":  # expert gradients summed over dp copies only, not the cp peers
+        import shardwise.topology as topology
+
+        def without_cp(self, with_tp=False):
+            tps = range(self.sizes["tp"]) if with_tp else [self.tp_rank]
+            return sorted(r for t in tps for r in self.ranks_at(["dp"], tp=t)[self.ep_rank::self.config.ep])
+
+        topology.Topology.expert_replica_ranks = without_cp
+    elif name == "expert-weight-without-cp":  # tokens weighted for the mean over dp, forgetting the cp shards
+        import shardwise.parallel.expert.experts as experts
+
+        def set_weight(self, value):
+            self._weight = lambda: value() * self.topology.sizes["cp"]
+
+        experts.ExpertParallel.replica_weight = property(lambda self: self._weight, set_weight)
     elif name == "aux-loss-per-replica":  # the load-balancing loss over each replica's own tokens
         build.apply_router_logits_over_replicas = lambda *args, **kwargs: None
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them

@@ -26,6 +26,8 @@ import shardwise as sw
 from parity import (EPS_LOSS, Case, assert_meaningful, assert_parity, compare_cases, corpus_batches, reference_run,
                     run_and_compare, train_parallel)
 from shardwise.parallel.expert import check_expert_parallel
+from shardwise.models import CausalLM
+from test_context_parallel import cp_batches
 from test_zoo import EndToEnd
 
 ROUTER_SEED = 3
@@ -53,6 +55,11 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
             if type(module).__name__.endswith("TopKRouter"):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
     return EndToEnd(model)
+
+
+def causal_moe(kind: str) -> CausalLM:
+    """The model taking pre-shifted labels, as context parallelism needs."""
+    return CausalLM(make_moe(kind, router_seed=CP_ROUTER_SEED).lm)
 
 
 def moe_batches(steps: int = 4, seq: int = 8) -> list[dict[str, torch.Tensor]]:
@@ -99,6 +106,11 @@ def test_routing_clears_rounding(kind, options, seq):
     assert routing_margin(functools.partial(make_moe, kind, **options), moe_batches(seq=seq)) > 1.0
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_routing_clears_rounding_on_context_parallel_batches(kind):
+    assert routing_margin(functools.partial(causal_moe, kind), cp_batches()) > 1.0
+
+
 EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
     2: {"ep2": ({"ep": 2}, "sgd", False)},
     4: {"ep4": ({"ep": 4}, "sgd", False), "ep2 x dp2": ({"ep": 2}, "sgd", False),
@@ -112,6 +124,11 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
 AUX_LAYOUTS = {2: {"dp2": {}}, 4: {"ep2 x dp2": {"ep": 2}, "ep4": {"ep": 4}}}  # the loss over the whole batch
 SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
                                "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
+# context parallelism: each cp rank routes its own tokens of every sequence (pre-shifted labels,
+# test_context_parallel's batches; their 64 tokens a step route clear of rounding from CP_ROUTER_SEED)
+CP_ROUTER_SEED = 13
+CONTEXT_LAYOUTS = {2: {}, 4: {"ep2 x cp2": ({"ep": 2, "cp": 2}, "sgd"),
+                              "ep2 x cp2 zero3": ({"ep": 2, "cp": 2, "zero": 3}, "adamw")}}
 # Mixtral's router jitter (uniform noise on the router's input): one process's noise exists only
 # without dp; on sequence shards each tp rank takes its part of the noise drawn for the whole input
 JITTER_LAYOUTS = {2: {"tp2 + sp": {"tp": 2, "sequence_parallel": True}, "tp2": {"tp": 2}}, 4: {}}
@@ -129,6 +146,8 @@ def test_expert_parallel_parity(world):
                    moe_batches()) for kind in ("mixtral", "qwen2_moe") for name, config in AUX_LAYOUTS[world].items()]
     cases += [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(seq=7), plan=kind)
               for kind in ("mixtral", "qwen2_moe") for name, config in SEQUENCE_LAYOUTS[world].items()]
+    cases += [Case(f"{kind} {name}", config, functools.partial(causal_moe, kind), cp_batches(), optimizer=optimizer)
+              for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer) in CONTEXT_LAYOUTS[world].items()]
     jittered = functools.partial(make_moe, "mixtral", jitter=0.1, router_seed=RANDOM_ROUTER_SEED)
     cases += [Case(f"mixtral {name} router jitter", config, jittered, moe_batches(seq=7), plan="mixtral")
               for name, config in JITTER_LAYOUTS[world].items()]
@@ -277,11 +296,18 @@ def test_unequal_replicas_weight_expert_gradients(kind, aux_loss):
             assert (grad - want[name]).abs().max() <= EPS_GRAD * scales[name], name
 
 
-@pytest.mark.parametrize("fault", ["expert-tokens-dropped", "expert-grads-over-dp", "aux-loss-per-replica"])
+@pytest.mark.parametrize("fault", ["expert-tokens-dropped", "expert-grads-over-dp", "aux-loss-per-replica",
+                                   "expert-grads-without-cp", "expert-weight-without-cp"])
 def test_expert_parity_fails_under_fault(fault):
     """A capacity limit that drops token slots (as capacity-factor routers do), expert gradients
-    summed over every data-parallel rank instead of those holding the same experts, or the
-    load-balancing loss taken over each replica's tokens."""
+    summed over every data-parallel rank instead of those holding the same experts, the
+    load-balancing loss taken over each replica's tokens; under cp, expert gradients not summed
+    over the cp peers, or weighted for the dp mean alone."""
+    if fault.endswith("-cp"):
+        run_and_compare(4, {"ep": 2, "cp": 2}, functools.partial(causal_moe, "mixtral"), cp_batches())  # healthy
+        with pytest.raises(AssertionError):
+            run_and_compare(4, {"ep": 2, "cp": 2}, functools.partial(causal_moe, "mixtral"), cp_batches(), fault=fault)
+        return
     factory = functools.partial(make_moe, "mixtral", aux_loss=fault == "aux-loss-per-replica")
     with pytest.raises(AssertionError):
         run_and_compare(4, {"ep": 2}, factory, moe_batches(), fault=fault)
@@ -298,8 +324,6 @@ def test_router_jitter_parity_fails_under_fault():
 def test_refusals():
     with pytest.raises(sw.ConfigError, match="ep=2 does not divide dp=3"):
         sw.ParallelConfig(ep=2).resolve(3)
-    with pytest.raises(sw.ConfigError, match="experts would receive context-parallel sequence shards"):
-        sw.ParallelConfig(ep=2, cp=2)
     with pytest.raises(sw.ConfigError, match="ep=4 does not divide the 6 experts"):
         check_expert_parallel(make_moe("mixtral", experts=6), sw.ParallelConfig(ep=4))
     with pytest.raises(sw.ConfigError, match="load-balancing loss .* with tp=2 that is not done yet"):

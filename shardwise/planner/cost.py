@@ -25,8 +25,9 @@ full recompute; ring all-reduce moves 2(n-1)/n of the bytes, all-gather/reduce-s
 (n-1)/n), context-parallel K/V all-gathers (forward, backward re-gather, gradient
 reduce-scatter), expert-parallel all-to-alls (each token's top_k slots out and back, forward
 and backward, (ep-1)/ep of them to other ranks; experts whole on every tp rank, so their
-FLOPs count tp times on a rank, and their states split over ep, ZeRO over dp/ep), pipeline p2p on the critical path, the bubble (p-1)/(v*m) of the
-pipelined time (v = 1 for GPipe and 1F1B; a third of it for zero-bubble, whose split
+FLOPs count tp times on a rank unless sequence parallelism gives each its own tokens, and
+their states split over ep, ZeRO over dp·cp/ep), pipeline p2p on the critical path, the
+bubble (p-1)/(v*m) of the pipelined time (v = 1 for GPipe and 1F1B; a third of it for zero-bubble, whose split
 backward fills most of it), and the data-parallel gradient reduction (ZeRO-3: parameter
 all-gathers per microbatch too) beyond what overlaps the last backward.
 """
@@ -277,8 +278,8 @@ def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memo
     layer_flops_token = 6 * (sharded_l + active) + 6 * h * seq_len  # matmuls (+ causal attention, a token's experts)
     flops_token = spec.layers * layer_flops_token + 6 * (spec.dense_params - spec.layers * (sharded_l + active))
     model_flops = flops_token * tokens_step
-    expert_flops = spec.layers * 6 * active * tokens_step  # whole on every tp rank: computed tp times
-    compute = (model_flops + (L.tp - 1) * expert_flops) / world / (peak * EFFICIENCY)
+    expert_flops = spec.layers * 6 * active * tokens_step  # whole on every tp rank: computed tp times (once
+    compute = (model_flops + np.where(L.sp == 1, 0, L.tp - 1) * expert_flops) / world / (peak * EFFICIENCY)  # with sp)
     layer_forward = spec.layers * layer_flops_token / 3 * tokens_step / world / (peak * EFFICIENCY)
     recompute = np.select([L.recompute == 2, L.recompute == 1], [layer_forward, SELECTIVE_COST * layer_forward], 0.0)
 
@@ -288,8 +289,9 @@ def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memo
     tp_comm = layers_here * L.microbatches * per_microbatch_tp
     kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
     cp_comm = layers_here * L.microbatches * 3 * _ring(L.cp, kv_bytes, bw(L.tp * L.cp), 1)
-    # experts: each token's top_k slots out and back in forward and again in backward, (ep-1)/ep of them off-rank
-    slot_bytes = tokens * spec.top_k * h * L.param_bytes
+    # experts: each token's top_k slots out and back in forward and again in backward, (ep-1)/ep of them off-rank;
+    # under sequence parallelism each tp rank routes its own shard of the tokens
+    slot_bytes = tokens * spec.top_k * h * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
     ep_comm = layers_here * L.microbatches * 4 * _ring(L.ep, slot_bytes, bw(L.tp * L.cp * L.ep), 1) \
         if spec.experts else np.zeros_like(tokens)
     hop = act_bytes_layer / np.where(L.sp == 1, L.tp, 1) / bw(world)

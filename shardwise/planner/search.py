@@ -126,9 +126,9 @@ def _factorizations(spec: ModelSpec, cluster: Cluster, seq_len: int, context_par
     return out
 
 
-def _expert_degrees(spec: ModelSpec, dp: int, cp: int) -> list[int]:
-    """ep values for a factorization: dividing dp and the experts (not with cp, which shards sequences)."""
-    return [e for e in divisors(dp) if spec.experts % e == 0] if spec.experts and cp == 1 else [1]
+def _expert_degrees(spec: ModelSpec, dp: int) -> list[int]:
+    """ep values for a factorization: dividing dp and the experts."""
+    return [e for e in divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
 
 
 def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: int, dtypes: tuple[int, ...],
@@ -148,8 +148,7 @@ def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: 
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         sps = (0, 1) if tp > 1 else (0,)
         for (schedule, v), zero, rc, sp, nbytes, ep in itertools.product(schedules, zeros, (0, 1, 2), sps, dtypes, eps):
-            if not (ep > 1 and sp):  # experts do not take sequence shards
-                rows.append((b, m, schedule, v, zero, rc, sp, nbytes, ep))
+            rows.append((b, m, schedule, v, zero, rc, sp, nbytes, ep))
     if not rows:
         return None
     grid = np.array(rows, dtype=np.float64).T
@@ -225,7 +224,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     result = SearchResult()
     for dp, tp, pp, cp in groups:
         batch = replica_batch if replica_batch is not None else (global_batch // dp if global_batch % dp == 0 else 0)
-        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp, cp)) if batch else None
+        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp)) if batch else None
         if layout is None:
             continue
         cost = evaluate_layouts(spec, cluster, layout, seq_len)

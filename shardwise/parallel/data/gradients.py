@@ -476,7 +476,8 @@ def _reduce_groups(module: nn.Module, topology: Topology, params: list[nn.Parame
     tied_ids = {id(p): tied[name] for name, p in module.named_parameters(remove_duplicate=False) if name in tied}
     partial_experts = bool(experts & partial)  # experts on sequence shards: their gradients partial over tp too
     expert_group = ReduceGroup(topology.group_of(topology.expert_replica_ranks(with_tp=partial_experts)), 1.0,
-                               "dp ranks holding these experts" + (" and their tp peers" if partial_experts else ""),
+                               "dp (and cp) ranks holding these experts" + (" and their tp peers" if partial_experts
+                                                                             else ""),
                                includes_tp_peers=partial_experts or topology.sizes["tp"] == 1, weighted_at_origin=True,
                                spans_replicas=False) if experts else None
 
