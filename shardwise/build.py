@@ -142,12 +142,12 @@ def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample:
     if config.tp > 1:
         tensor_parallel_rules(module, resolved)
     config.resolve(dist.get_world_size())
+    check_expert_parallel(module, config)
     if config.cp > 1 and config.pp > 1 and sample is not None:  # stages are captured on one rank's part
         sample = shard_batch(sample, SequenceShards(config.cp, 0), config.sequence_dim)
     layout = _pipeline_layout(module, chosen, config, sample) if config.pp > 1 else None
     recompute_targets(module, config, resolved)
     check_float8_gather(module, config.zero, config.tp)
-    check_expert_parallel(module, config)
     return config, chosen, resolved, layout
 
 

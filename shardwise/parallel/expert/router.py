@@ -10,6 +10,10 @@ concatenated in rank order (the router's routing itself is unchanged), so each r
 holds the whole batch's auxiliary loss. Its backward sums the ranks' gradients into each
 replica's own rows (divided by the replica's weight, which its gradient buckets apply again:
 the replicas' losses are combined with those weights, which sum to one).
+
+The cp ranks join the gather (each routes its part of every sequence; the loss weights cp
+applies to each shard's loss average to one over them, so the sum of their gradients is the
+one-process gradient too).
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class RouterLogitsOverReplicas:
     """The hooks that make each router's recorded logits the whole data-parallel batch's."""
 
     def __init__(self, module: nn.Module, topology: Topology):
-        self.group = topology.group("dp")
+        self.group = topology.group("dp", "cp")
         self.wait = topology.wait
         self.replica_weight: Callable[[], float] = lambda: 1.0  # set by build once the gradient buckets exist
         self.routers = routers(module)
@@ -106,7 +110,8 @@ def _rows_over_replicas(x: torch.Tensor, group, wait, weight) -> torch.Tensor:
 
 
 def apply_router_logits_over_replicas(module: nn.Module, topology: Topology) -> RouterLogitsOverReplicas | None:
-    """The hooks, where a model records router logits for its load-balancing loss and dp > 1."""
-    if topology.sizes["dp"] == 1 or not records_router_logits(module) or not routers(module):
+    """The hooks, where a model records router logits for its load-balancing loss and more than
+    one rank (dp, cp) routes its own tokens."""
+    if topology.size("dp", "cp") == 1 or not records_router_logits(module) or not routers(module):
         return None
     return RouterLogitsOverReplicas(module, topology)
