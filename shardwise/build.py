@@ -241,7 +241,7 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     if expert_parallel is not None:  # a replica's share of the batch, over the replicas (and cp shards, each
         # of whose losses is weighted by its share of the tokens) an expert's tokens come from: the mean's scale
         expert_parallel.replica_weight = lambda: gradients.replica_weight / topology.size("dp", "cp")
-    router_logits = apply_router_logits_over_replicas(module, topology)
+    router_logits = apply_router_logits_over_replicas(module, topology, partial_over_tp)
     if router_logits is not None:
         router_logits.replica_weight = lambda: gradients.replica_weight
     param_shards = ParameterShards(module, gradients, units, float8_gathered) if config.zero == 3 else None

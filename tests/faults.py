@@ -19,7 +19,7 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
           "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp",
           "aux-loss-per-replica", "jitter-per-shard", "cp-random-per-shard", "expert-dispatch-draws",
-          "expert-grads-without-cp", "expert-weight-without-cp")
+          "expert-grads-without-cp", "expert-weight-without-cp", "aux-tp-peers-summed")
 
 
 class _NoAllReduce:
@@ -84,6 +84,16 @@ def inject(name: str, config: dict) -> None:
             self._weight = lambda: value() * self.topology.sizes["cp"]
 
         experts.ExpertParallel.replica_weight = property(lambda self: self._weight, set_weight)
+    elif name == "aux-tp-peers-summed":  # sequence-parallel tp peers' gradients of the same loss summed, not averaged
+        import shardwise.parallel.expert.router as router
+
+        original_init = router.RouterLogitsOverReplicas.__init__
+
+        def summing(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.share = 1
+
+        router.RouterLogitsOverReplicas.__init__ = summing
     elif name == "aux-loss-per-replica":  # the load-balancing loss over each replica's own tokens
         build.apply_router_logits_over_replicas = lambda *args, **kwargs: None
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them

@@ -101,6 +101,7 @@ def routing_margin(factory, batches) -> float:
 @pytest.mark.parametrize("kind, options, seq", [("mixtral", {}, 8), ("qwen2_moe", {}, 8),
                                                 ("mixtral", {"aux_loss": True}, 8), ("qwen2_moe", {"aux_loss": True}, 8),
                                                 ("mixtral", {}, 7), ("qwen2_moe", {}, 7),
+                                                ("mixtral", {"aux_loss": True}, 7), ("qwen2_moe", {"aux_loss": True}, 7),
                                                 ("mixtral", {"jitter": 0.1, "router_seed": RANDOM_ROUTER_SEED}, 7)])
 def test_routing_clears_rounding(kind, options, seq):
     assert routing_margin(functools.partial(make_moe, kind, **options), moe_batches(seq=seq)) > 1.0
@@ -123,7 +124,9 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
 
 
 # the load-balancing loss over the whole batch: name -> config, sequence length (7: sequence shards)
-AUX_LAYOUTS = {2: {"dp2": ({}, 8)}, 4: {"ep2 x dp2": ({"ep": 2}, 8), "ep4": ({"ep": 4}, 8)}}
+AUX_LAYOUTS = {2: {"dp2": ({}, 8), "tp2": ({"tp": 2}, 8), "tp2 + sp": ({"tp": 2, "sequence_parallel": True}, 7)},
+               4: {"ep2 x dp2": ({"ep": 2}, 8), "ep4": ({"ep": 4}, 8), "ep2 x tp2": ({"ep": 2, "tp": 2}, 8),
+                   "ep2 x tp2 + sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, 7)}}
 SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
                                "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
 # context parallelism: each cp rank routes its own tokens of every sequence (pre-shifted labels,
@@ -319,6 +322,13 @@ def test_expert_parity_fails_under_fault(fault):
         run_and_compare(4, {"ep": 2}, factory, moe_batches(), fault=fault)
 
 
+def test_sequence_parallel_load_balancing_loss_fails_under_fault():
+    """The tp peers' gradients of the gathered router logits summed without dividing by tp."""
+    with pytest.raises(AssertionError):
+        run_and_compare(2, {"tp": 2, "sequence_parallel": True}, functools.partial(make_moe, "mixtral", aux_loss=True),
+                        moe_batches(seq=7), plan="mixtral", fault="aux-tp-peers-summed")
+
+
 def test_router_jitter_parity_fails_under_fault():
     """Each sequence shard drawing its own router jitter (the noise of its shard's shape)."""
     with pytest.raises(AssertionError):
@@ -334,8 +344,7 @@ def test_refusals():
         check_expert_parallel(make_moe("mixtral", experts=6), sw.ParallelConfig(ep=4))
     with pytest.raises(sw.ConfigError, match="load-balancing loss .* with pp=2 the logits of earlier stages"):
         check_expert_parallel(make_moe("mixtral", aux_loss=True), sw.ParallelConfig(ep=2, pp=2, microbatches=2))
-    with pytest.raises(sw.ConfigError, match="load-balancing loss .* with tp=2 transformers adds it to the loss"):
-        check_expert_parallel(make_moe("mixtral", aux_loss=True), sw.ParallelConfig(ep=2, tp=2))
+
     from test_zoo import make
 
     with pytest.raises(sw.ConfigError, match="no mixture-of-experts layer"):

@@ -13,7 +13,10 @@ the replicas' losses are combined with those weights, which sum to one).
 
 The cp ranks join the gather (each routes its part of every sequence; the loss weights cp
 applies to each shard's loss average to one over them, so the sum of their gradients is the
-one-process gradient too).
+one-process gradient too), and so do the tp ranks when a sequence-parallel plan routes each
+its own shard. Those tp peers hold the same loss, whose gradient for a row each computes: the
+sum over them is divided by tp (the router's gradients, partial over tp, are then summed over
+tp by the buckets). Tensor-parallel ranks routing the same tokens gather over dp and cp alone.
 """
 
 from __future__ import annotations
@@ -86,9 +89,10 @@ def records_router_logits(module: nn.Module) -> bool:
 class RouterLogitsOverReplicas:
     """The hooks that make each router's recorded logits the whole data-parallel batch's."""
 
-    def __init__(self, module: nn.Module, topology: Topology):
-        self.group = topology.group("dp", "cp")
+    def __init__(self, module: nn.Module, topology: Topology, over_tp: bool = False):
+        self.group = topology.group("dp", "cp", *(("tp",) if over_tp else ()))
         self.wait = topology.wait
+        self.share = topology.sizes["tp"] if over_tp else 1  # ranks holding the same loss for a row
         self.replica_weight: Callable[[], float] = lambda: 1.0  # set by build once the gradient buckets exist
         self.routers = routers(module)
         for path, router in self.routers.items():
@@ -100,7 +104,8 @@ class RouterLogitsOverReplicas:
                 raise ModelError(f"router {path!r} ({type(router).__name__}) did not return (logits [tokens, "
                                  "experts], ...) as transformers' routers do, so its load-balancing loss cannot be "
                                  "taken over the whole batch; set output_router_logits=False")
-            return (_rows_over_replicas(out[0], self.group, self.wait, self.replica_weight), *out[1:])
+            return (_rows_over_replicas(out[0], self.group, self.wait, lambda: self.replica_weight() * self.share),
+                    *out[1:])
         return whole_batch
 
 
@@ -109,9 +114,13 @@ def _rows_over_replicas(x: torch.Tensor, group, wait, weight) -> torch.Tensor:
     return _RowsOverReplicas.apply(x, group, wait, weight)
 
 
-def apply_router_logits_over_replicas(module: nn.Module, topology: Topology) -> RouterLogitsOverReplicas | None:
+def apply_router_logits_over_replicas(module: nn.Module, topology: Topology,
+                                      partial_over_tp: set[int] = frozenset()) -> RouterLogitsOverReplicas | None:
     """The hooks, where a model records router logits for its load-balancing loss and more than
-    one rank (dp, cp) routes its own tokens."""
-    if topology.size("dp", "cp") == 1 or not records_router_logits(module) or not routers(module):
+    one rank routes its own tokens (`partial_over_tp`: ids of parameters run on tp shards of the
+    data, the routers' among them under sequence parallelism)."""
+    found = routers(module) if records_router_logits(module) else {}
+    over_tp = any(id(p) in partial_over_tp for router in found.values() for p in router.parameters())
+    if not found or topology.size("dp", "cp") * (topology.sizes["tp"] if over_tp else 1) == 1:
         return None
-    return RouterLogitsOverReplicas(module, topology)
+    return RouterLogitsOverReplicas(module, topology, over_tp)

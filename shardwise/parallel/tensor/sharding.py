@@ -44,6 +44,7 @@ from ...topology import Topology
 from ...compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS, all_gather_single
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
+from .loss import PlainLoss
 from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, ShardedJitter, install_rule,
                     replace_module, tensor_parallel_rules)
 
@@ -58,6 +59,7 @@ class TensorParallel:
         self.rank = topology.tp_rank
         self.resolved = resolved
         self.partial_grad_params: set[int] = set()  # ids of replicated params whose grads are partial over tp
+        self.plain_loss = PlainLoss()  # from a loss-parallel head's output to the forward's end
         self.sharded_modules: dict[str, str] = {}  # module path -> rule name
         self.rule_classes: dict[type, type] = {}  # a module class -> its class computing by a rule (install_rule)
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
@@ -242,6 +244,7 @@ class TensorParallel:
         self.end_block()
 
     def end_forward(self) -> None:
+        self.plain_loss.leave()
         self._converted.clear()
         self._entered.clear()
         self._gathered.clear()
@@ -286,6 +289,7 @@ class TensorParallel:
         dst = self.output_placement(layout, default)
         y = redistribute(y, natural, dst, self.group)
         if layout.loss_parallel:
+            self.plain_loss.enter()
             return DTensor.from_local(y, self.mesh, [dst], run_check=False)
         return y
 
