@@ -31,6 +31,7 @@ from test_context_parallel import cp_batches
 from test_zoo import EndToEnd
 
 ROUTER_SEED = 3
+ALL, MIXTRAL = ("mixtral", "qwen2_moe"), ("mixtral",)
 RANDOM_ROUTER_SEED = 19  # with router jitter and attention dropout: every margin clears it by 3.1x here
 
 
@@ -45,6 +46,11 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
     if kind == "mixtral":
         model = t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=32, num_local_experts=experts,
                                                      router_jitter_noise=jitter, **common))
+    elif kind == "qwen3_moe":
+        model = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=32,
+                                                       num_experts=experts, decoder_sparse_step=1, **common))
+    elif kind == "olmoe":
+        model = t.OlmoeForCausalLM(t.OlmoeConfig(intermediate_size=32, num_experts=experts, **common))
     else:
         model = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=32, num_experts=experts,
@@ -113,27 +119,29 @@ def test_routing_clears_rounding_on_context_parallel_batches(kind, aux_loss):
     assert routing_margin(functools.partial(causal_moe, kind, aux_loss), cp_batches()) > 1.0
 
 
-EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp)
-    2: {"ep2": ({"ep": 2}, "sgd", False)},
-    4: {"ep4": ({"ep": 4}, "sgd", False), "ep2 x dp2": ({"ep": 2}, "sgd", False),
-        "ep2 x tp2": ({"ep": 2, "tp": 2}, "sgd", True), "ep2 x pp2": ({"ep": 2, "pp": 2, "microbatches": 2}, "sgd", False),
-        "ep2 x dp2 zero1": ({"ep": 2, "zero": 1}, "adamw", False), "ep4 zero2": ({"ep": 4, "zero": 2}, "adamw", False),
-        "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, "adamw", False),
-        "ep2 x dp2 recompute": ({"ep": 2, "recompute": "full"}, "sgd", False)},
+EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp), kinds
+    2: {"ep2": ({"ep": 2}, "sgd", False, ALL)},
+    4: {"ep4": ({"ep": 4}, "sgd", False, ALL), "ep2 x dp2": ({"ep": 2}, "sgd", False, ALL),
+        "ep2 x tp2": ({"ep": 2, "tp": 2}, "sgd", True, ALL),
+        "ep2 x pp2": ({"ep": 2, "pp": 2, "microbatches": 2}, "sgd", False, ALL),
+        "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, "adamw", False, ALL),
+        # (the suite's time: these three on Mixtral alone, whose experts are Qwen2-MoE's routed ones)
+        "ep2 x dp2 zero1": ({"ep": 2, "zero": 1}, "adamw", False, MIXTRAL),
+        "ep4 zero2": ({"ep": 4, "zero": 2}, "adamw", False, MIXTRAL),
+        "ep2 x dp2 recompute": ({"ep": 2, "recompute": "full"}, "sgd", False, MIXTRAL)},
 }
 
 
 # the load-balancing loss over the whole batch: name -> config, sequence length (7: sequence shards)
 AUX_LAYOUTS = {2: {"dp2": ({}, 8), "tp2": ({"tp": 2}, 8), "tp2 + sp": ({"tp": 2, "sequence_parallel": True}, 7)},
-               4: {"ep2 x dp2": ({"ep": 2}, 8), "ep4": ({"ep": 4}, 8), "ep2 x tp2": ({"ep": 2, "tp": 2}, 8),
-                   "ep2 x tp2 + sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, 7)}}
+               4: {"ep4": ({"ep": 4}, 8), "ep2 x tp2 + sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, 7)}}
 SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
                                "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
 # context parallelism: each cp rank routes its own tokens of every sequence (pre-shifted labels,
 # test_context_parallel's batches; their 64 tokens a step route clear of rounding from CP_ROUTER_SEED)
 CP_ROUTER_SEED, CP_AUX_ROUTER_SEED = 13, 31  # margins 1.8x and 3.4x at least here
-CONTEXT_LAYOUTS = {2: {}, 4: {"ep2 x cp2": ({"ep": 2, "cp": 2}, "sgd"),
-                              "ep2 x cp2 zero3": ({"ep": 2, "cp": 2, "zero": 3}, "adamw")}}
+CONTEXT_LAYOUTS = {2: {}, 4: {"ep2 x cp2": ({"ep": 2, "cp": 2}, "sgd", MIXTRAL),
+                              "ep2 x cp2 zero3": ({"ep": 2, "cp": 2, "zero": 3}, "adamw", ALL)}}
 # Mixtral's router jitter (uniform noise on the router's input): one process's noise exists only
 # without dp; on sequence shards each tp rank takes its part of the noise drawn for the whole input
 JITTER_LAYOUTS = {2: {"tp2 + sp": {"tp": 2, "sequence_parallel": True}, "tp2": {"tp": 2}}, 4: {}}
@@ -146,17 +154,17 @@ def test_expert_parallel_parity(world):
     transformers' load-balancing loss too: over the whole batch, not each replica's."""
     cases = [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(), optimizer=optimizer,
                   plan=kind if planned else None)
-             for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer, planned) in EP_LAYOUTS[world].items()]
+             for name, (config, optimizer, planned, kinds) in EP_LAYOUTS[world].items() for kind in kinds]
     cases += [Case(f"{kind} {name} load-balancing loss", config, functools.partial(make_moe, kind, aux_loss=True),
                    moe_batches(seq=seq), plan=kind if config.get("tp", 1) > 1 else None)
               for kind in ("mixtral", "qwen2_moe") for name, (config, seq) in AUX_LAYOUTS[world].items()]
     cases += [Case(f"{kind} {name}", config, functools.partial(make_moe, kind), moe_batches(seq=7), plan=kind)
               for kind in ("mixtral", "qwen2_moe") for name, config in SEQUENCE_LAYOUTS[world].items()]
     cases += [Case(f"{kind} {name}", config, functools.partial(causal_moe, kind), cp_batches(), optimizer=optimizer)
-              for kind in ("mixtral", "qwen2_moe") for name, (config, optimizer) in CONTEXT_LAYOUTS[world].items()]
+              for name, (config, optimizer, kinds) in CONTEXT_LAYOUTS[world].items() for kind in kinds]
     if world == 4:  # each cp shard's tokens in the load-balancing loss, weighted by cp like the rest of the loss
         cases += [Case(f"{kind} ep2 x cp2 load-balancing loss", {"ep": 2, "cp": 2},
-                       functools.partial(causal_moe, kind, aux_loss=True), cp_batches()) for kind in ("mixtral", "qwen2_moe")]
+                       functools.partial(causal_moe, kind, aux_loss=True), cp_batches()) for kind in MIXTRAL]
     jittered = functools.partial(make_moe, "mixtral", jitter=0.1, router_seed=RANDOM_ROUTER_SEED)
     cases += [Case(f"mixtral {name} router jitter", config, jittered, moe_batches(seq=7), plan="mixtral")
               for name, config in JITTER_LAYOUTS[world].items()]
@@ -312,8 +320,7 @@ def test_expert_parity_fails_under_fault(fault):
     summed over every data-parallel rank instead of those holding the same experts, the
     load-balancing loss taken over each replica's tokens; under cp, expert gradients not summed
     over the cp peers, or weighted for the dp mean alone."""
-    if fault.endswith("-cp"):
-        run_and_compare(4, {"ep": 2, "cp": 2}, functools.partial(causal_moe, "mixtral"), cp_batches())  # healthy
+    if fault.endswith("-cp"):  # (healthy: "mixtral ep2 x cp2" of test_expert_parallel_parity)
         with pytest.raises(AssertionError):
             run_and_compare(4, {"ep": 2, "cp": 2}, functools.partial(causal_moe, "mixtral"), cp_batches(), fault=fault)
         return
