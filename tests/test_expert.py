@@ -50,7 +50,8 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
         model = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=32,
                                                        num_experts=experts, decoder_sparse_step=1, **common))
     elif kind == "olmoe":
-        model = t.OlmoeForCausalLM(t.OlmoeConfig(intermediate_size=32, num_experts=experts, **common))
+        model = t.OlmoeForCausalLM(t.OlmoeConfig(intermediate_size=32, num_experts=experts, bos_token_id=0,
+                                                 eos_token_id=0, **common))
     else:
         model = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=32, num_experts=experts,
@@ -169,6 +170,21 @@ def test_expert_parallel_parity(world):
     cases += [Case(f"mixtral {name} router jitter", config, jittered, moe_batches(seq=7), plan="mixtral")
               for name, config in JITTER_LAYOUTS[world].items()]
     compare_cases(world, cases)
+
+
+OTHER_ROUTER_SEED = 13  # Qwen3-MoE and OLMoE: margins 2.4x and 6.8x here
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+def test_other_models_route_clear_of_rounding(kind):
+    assert routing_margin(functools.partial(make_moe, kind, router_seed=OTHER_ROUTER_SEED), moe_batches()) > 1.0
+
+
+def test_other_hugging_face_mixtures_of_experts():
+    """Qwen3-MoE and OLMoE (q/k norms) keep their experts as grouped tensors too: found where
+    they sit and split at ep2 with no plan, exact."""
+    compare_cases(2, [Case(f"{kind} ep2", {"ep": 2}, functools.partial(make_moe, kind, router_seed=OTHER_ROUTER_SEED),
+                           moe_batches()) for kind in ("qwen3_moe", "olmoe")])
 
 
 def _replicated_then_expert_parallel(kinds: list[str], fault: str | None = None):
