@@ -66,7 +66,8 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
 
 def causal_moe(kind: str, aux_loss: bool = False) -> CausalLM:
     """The model taking pre-shifted labels, as context parallelism needs."""
-    return CausalLM(make_moe(kind, aux_loss=aux_loss, router_seed=CP_AUX_ROUTER_SEED if aux_loss else CP_ROUTER_SEED).lm)
+    seed = CP_AUX_ROUTER_SEED if aux_loss else CP_ROUTER_SEED
+    return CausalLM(make_moe(kind, aux_loss=aux_loss, router_seed=seed).lm)
 
 
 def moe_batches(steps: int = 4, seq: int = 8) -> list[dict[str, torch.Tensor]]:

@@ -94,8 +94,9 @@ class SequenceDraws:
     """Random numbers for one rank's tokens (`local_len` of them along `dim`) drawn as one
     process draws them for the whole sequence: dropout's mask, in-place random fills
     (`uniform_`, `normal_`, ...; a router's input jitter) and `rand_like` / `randn_like` of an
-    activation (batch, tokens, features...) are drawn for the whole sequence and cut as `shards` cuts it. Every cp rank
-    draws from the same generator state, so each applies one process's numbers to its tokens."""
+    activation (batch, tokens, features...) are drawn for the whole sequence and cut as
+    `shards` cuts it. Every cp rank draws from the same generator state, so each applies one
+    process's numbers to its tokens."""
 
     shards: SequenceShards
     dim: int
