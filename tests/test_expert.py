@@ -49,6 +49,11 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
     elif kind == "qwen3_moe":
         model = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=32,
                                                        num_experts=experts, decoder_sparse_step=1, **common))
+    elif kind == "deepseek_v3":  # sigmoid scores, group-limited top-k (every group open here), a shared expert
+        model = t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+            intermediate_size=32, moe_intermediate_size=16, n_routed_experts=experts, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=2, routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, **{**common, "num_key_value_heads": 4}))
     elif kind == "olmoe":
         model = t.OlmoeForCausalLM(t.OlmoeConfig(intermediate_size=32, num_experts=experts, bos_token_id=0,
                                                  eos_token_id=0, **common))
@@ -59,7 +64,7 @@ def make_moe(kind: str, experts: int = 4, aux_loss: bool = False, jitter: float 
     generator = torch.Generator().manual_seed(router_seed)
     with torch.no_grad():
         for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter"):
+            if _is_router(module):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
     return EndToEnd(model)
 
@@ -84,8 +89,12 @@ def _record_gap(ratios: list[float], router, args, out) -> None:
     ratios.append(float((gap / (4 * EPS_LOSS * magnitude)).min()))
 
 
+def _is_router(module) -> bool:
+    return type(module).__name__.lower().endswith("topkrouter")  # DeepSeek-V3 spells it TopkRouter
+
+
 def _routers(model) -> list:
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if _is_router(m)]
 
 
 def routing_margin(factory, batches) -> float:
@@ -173,19 +182,21 @@ def test_expert_parallel_parity(world):
     compare_cases(world, cases)
 
 
-OTHER_ROUTER_SEED = 13  # Qwen3-MoE and OLMoE: margins 2.4x and 6.8x here
+OTHER_ROUTER_SEED = 13  # Qwen3-MoE, OLMoE and DeepSeek-V3: margins 2.4x, 6.8x and 5.1x here
+OTHER_KINDS = ("qwen3_moe", "olmoe", "deepseek_v3")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", OTHER_KINDS)
 def test_other_models_route_clear_of_rounding(kind):
     assert routing_margin(functools.partial(make_moe, kind, router_seed=OTHER_ROUTER_SEED), moe_batches()) > 1.0
 
 
 def test_other_hugging_face_mixtures_of_experts():
-    """Qwen3-MoE and OLMoE (q/k norms) keep their experts as grouped tensors too: found where
-    they sit and split at ep2 with no plan, exact."""
+    """Qwen3-MoE, OLMoE (q/k norms) and DeepSeek-V3 (latent attention, a dense first layer, sigmoid
+    group-limited routing, a shared expert) keep their experts as grouped tensors too: found
+    where they sit and split at ep2 with no plan, exact."""
     compare_cases(2, [Case(f"{kind} ep2", {"ep": 2}, functools.partial(make_moe, kind, router_seed=OTHER_ROUTER_SEED),
-                           moe_batches()) for kind in ("qwen3_moe", "olmoe")])
+                           moe_batches()) for kind in OTHER_KINDS])
 
 
 def _replicated_then_expert_parallel(kinds: list[str], fault: str | None = None):
