@@ -30,11 +30,13 @@ from .planner import Cluster
 from .topology import Topology, init_distributed
 
 # the plan namespace's entries from the layers above it (see plan/__init__.py)
+from .parallel.expert.experts import register_experts as _register_experts
 from .parallel.tensor.rules import RuleContext as _RuleContext, register_rule as _register_rule
 from .planner.search import evaluate as _evaluate
 from .planner.search import search as _search
 
 plan.RuleContext, plan.register_rule, plan.search, plan.evaluate = _RuleContext, _register_rule, _search, _evaluate
+plan.register_experts = _register_experts
 
 __version__ = "0.1.0"
 

@@ -51,11 +51,12 @@ def inject(name: str, config: dict) -> None:
         original_run = experts.ExpertParallel.run
 
         def capped(self, module, path, hidden, index, weights):
-            capacity = index.numel() // module.num_experts
+            count = experts.expert_count(module)
+            capacity = index.numel() // count
             flat = index.reshape(-1).clone()
-            for expert in range(module.num_experts):
+            for expert in range(count):
                 slots = (flat == expert).nonzero().squeeze(1)
-                flat[slots[capacity:]] = module.num_experts
+                flat[slots[capacity:]] = count
             return original_run(self, module, path, hidden, flat.view_as(index), weights)
 
         experts.ExpertParallel.run = capped

@@ -1,7 +1,8 @@
 """Plans: placements by module-path pattern, stages, ZeRO stage and recompute, as data.
 
-`sw.plan.search` and `sw.plan.evaluate` (the planner, shardwise/planner/) and `sw.plan.register_rule` /
-`RuleContext` (tensor parallelism's rules, parallel/tensor/rules.py) are part of this
+`sw.plan.search` and `sw.plan.evaluate` (the planner, shardwise/planner/), `sw.plan.register_rule` /
+`RuleContext` (tensor parallelism's rules, parallel/tensor/rules.py) and `sw.plan.register_experts`
+(expert parallelism's experts modules, parallel/expert/experts.py) are part of this
 namespace for users, but live in the layers above plans, which import this package: the
 top-level package puts them here (shardwise/__init__.py), so no import runs upward."""
 
@@ -16,7 +17,7 @@ from .plan import Conversion, Plan, parse_placement, placement_str, shard_dim
 from .resolve import ResolvedPlan, resolve_plan
 
 __all__ = ["Conversion", "Plan", "ResolvedPlan", "RuleContext", "as_plan", "parse_placement", "placement_str",
-           "register_rule", "resolve_plan", "search", "evaluate", "shard_dim", "zoo"]
+           "register_experts", "register_rule", "resolve_plan", "search", "evaluate", "shard_dim", "zoo"]
 
 
 def as_plan(plan: "Plan | dict | str | Path | None", config: ParallelConfig) -> Plan:

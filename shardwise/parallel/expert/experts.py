@@ -19,8 +19,9 @@ its own expert computation (eager, grouped_mm, ...), changing only where tokens 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,17 +29,65 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ...config import ParallelConfig
-from ...errors import ConfigError
+from ...errors import ConfigError, PlanError
 from ...topology import Topology
 from .dispatch import Routing, exchange, weighted_at_origin
 
 MiB = 1 << 20
 
 
+_REGISTERED = "shardwise_experts_count"  # class attribute set by register_experts: the count's attribute name
+
+
+def register_experts(module_class: type | None = None, *, num_experts: str = "num_experts") -> Any:
+    """Declare `module_class` an experts module for expert parallelism, where shardwise would
+    not recognize it alone: its count under another attribute name (`num_experts=`), or a
+    forward that takes more than the three tensors (optional arguments after them). The class
+    must still hold each expert's weights as grouped tensors (every parameter of its own
+    `[count, ...]`) and compute `forward(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H]`, reading the count from that attribute (under ep it reads
+    this rank's count and gets local expert indices). Returns the class; also a decorator,
+    `@register_experts(num_experts="n_experts")`. Like register_rule, it belongs to that class
+    only."""
+    if module_class is None:
+        return functools.partial(register_experts, num_experts=num_experts)
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise PlanError(f"register_experts: {module_class!r} is not an nn.Module class")
+    if not (isinstance(num_experts, str) and num_experts.isidentifier()):
+        raise PlanError(f"register_experts({module_class.__name__}, num_experts={num_experts!r}): name the attribute "
+                        "that holds the number of experts, e.g. num_experts='n_experts'")
+    try:
+        inspect.signature(module_class.forward).bind(None, None, None, None)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"register_experts({module_class.__name__}): its forward cannot be called as forward("
+                        f"hidden_states, top_k_index, top_k_weights) ({exc}); shardwise dispatches the experts' "
+                        "token slots through that call") from exc
+    setattr(module_class, _REGISTERED, num_experts)
+    return module_class
+
+
+def count_attribute(module: nn.Module) -> str | None:
+    """The attribute holding `module`'s expert count when its class was registered (or is
+    expert parallelism's subclass of a registered class), else None."""
+    cls = type(module)
+    if "_local_forward" in vars(cls):  # ExpertParallel's subclass: the user's class is its base
+        cls = cls.__bases__[0]
+    return vars(cls).get(_REGISTERED)
+
+
+def expert_count(module: nn.Module) -> int:
+    return getattr(module, count_attribute(module) or "num_experts")
+
+
 def grouped_experts(module: nn.Module) -> dict[str, nn.Module]:
-    """Path -> experts module, for each module holding experts as grouped tensors."""
+    """Path -> experts module: registered classes (register_experts), and modules holding
+    experts as grouped tensors the way transformers builds them (`num_experts`, parameters
+    `[num_experts, ...]`, forward(hidden_states, top_k_index, top_k_weights))."""
     found = {}
     for path, sub in module.named_modules():
+        if count_attribute(sub) is not None:
+            found[path] = sub
+            continue
         count = getattr(sub, "num_experts", None)
         params = list(sub.parameters(recurse=False))
         if not isinstance(count, int) or count < 2 or not params or isinstance(sub, nn.Linear):
@@ -53,6 +102,23 @@ def grouped_experts(module: nn.Module) -> dict[str, nn.Module]:
         if len(arguments) == 4:  # self, hidden_states, top_k_index, top_k_weights
             found[path] = sub
     return found
+
+
+def _check_registered(path: str, experts: nn.Module) -> None:
+    """A registered experts module must hold what its registration promised."""
+    name = type(experts).__name__
+    attribute = count_attribute(experts)
+    count = getattr(experts, attribute, None)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"{path!r} ({name}) is registered as experts with their count in .{attribute}, which is "
+                          f"{count!r}: set it to the number of experts, or register the attribute that holds it")
+    params = dict(experts.named_parameters(recurse=False))
+    odd = [n for n, p in params.items() if p.dim() < 1 or p.shape[0] != count]
+    if not params or odd:
+        raise ConfigError(f"{path!r} ({name}) is registered as experts, but " + (
+            f"its parameters {odd} are not [{attribute}={count}, ...]: each expert's weights are a slice of a grouped "
+            "tensor, and a parameter shared by all experts would be summed over the wrong tokens. Move it out of the "
+            "experts module" if odd else "it holds no parameters of its own (grouped [experts, ...] tensors)"))
 
 
 def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
@@ -74,13 +140,16 @@ def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
         what = (f"its experts at {lists[0]!r} are a list of modules (transformers 4.x); shardwise shards experts "
                 "kept as grouped tensors (transformers >= 5): upgrade transformers" if lists else
                 "no module holds experts as grouped tensors (parameters [num_experts, ...] and "
-                "forward(hidden_states, top_k_index, top_k_weights), as transformers >= 5 builds them)")
+                "forward(hidden_states, top_k_index, top_k_weights), as transformers >= 5 builds them); declare your "
+                "own experts class with sw.plan.register_experts(cls, num_experts='<count attribute>')")
         raise ConfigError(f"ep={config.ep} but {name} has no mixture-of-experts layer shardwise can shard: {what}; "
                           "or set ep=1")
     for path, experts in found.items():
-        if experts.num_experts % config.ep:
-            raise ConfigError(f"ep={config.ep} does not divide the {experts.num_experts} experts of {path!r}: "
-                              f"use an ep that divides {experts.num_experts}")
+        if count_attribute(experts) is not None:
+            _check_registered(path, experts)
+        if expert_count(experts) % config.ep:
+            raise ConfigError(f"ep={config.ep} does not divide the {expert_count(experts)} experts of {path!r}: "
+                              f"use an ep that divides {expert_count(experts)}")
 
 
 class ExpertParallel:
@@ -105,7 +174,7 @@ class ExpertParallel:
 
     def _shard(self, path: str, experts: nn.Module) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
-            if param.shape[0] == experts.num_experts:  # whole: this rank's experts cut from the first rank's
+            if param.shape[0] == expert_count(experts):  # whole: this rank's experts cut from the first rank's
                 sharded = distribute_tensor(param.detach(), self.mesh, [Shard(0)], src_data_rank=0)
             else:  # deferred init materialized only this rank's experts
                 sharded = DTensor.from_local(param.detach(), self.mesh, [Shard(0)], run_check=False)
@@ -123,7 +192,7 @@ class ExpertParallel:
     def describe(self) -> list[str]:
         """Summary lines: the layers, the experts here, the last step's all-to-all bytes and
         how many token slots each local expert computed (its load)."""
-        count = next(iter(self.modules.values())).num_experts
+        count = expert_count(next(iter(self.modules.values())))
         per = count // self.size
         first = self.rank * per
         lines = [f"  expert par. {len(self.modules)} MoE layer(s), {count} experts over ep ranks "
@@ -139,23 +208,24 @@ class ExpertParallel:
     def _local_experts(self, experts: nn.Module) -> Iterator[None]:
         """The module's parameters as this rank's shards (differentiable), num_experts its own count."""
         saved = dict(experts._parameters)
-        count = experts.num_experts
+        attribute = count_attribute(experts) or "num_experts"
+        count = getattr(experts, attribute)
         try:
             for name, param in saved.items():
                 if id(param) in self.params:
                     experts._parameters[name] = param.to_local()
-            experts.num_experts = count // self.size
+            setattr(experts, attribute, count // self.size)
             yield
         finally:
             experts._parameters.update(saved)
-            experts.num_experts = count
+            setattr(experts, attribute, count)
 
     def run(self, experts: nn.Module, path: str, hidden: torch.Tensor, index: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """One experts forward over the ep group: dispatch, local experts, combine."""
         what = f"expert all-to-all of {path!r}"
         wait = self.topology.wait
-        route = Routing(index, experts.num_experts, self.group, wait, what)
+        route = Routing(index, expert_count(experts), self.group, wait, what)
         sent = weighted_at_origin(hidden[route.token], self.replica_weight, divide=True)
         received = exchange(sent, route.send, route.receive, self.group, wait, what)
         with self._local_experts(experts):
