@@ -10,7 +10,6 @@ so that every token of every step routes clear of rounding.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
