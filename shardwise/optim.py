@@ -70,12 +70,22 @@ class ParallelOptimizer:
             skip = self._unscale(ready)
             result = None
             if not skip:
-                result = super().step(closure)  # type: ignore[misc]
+                result = self._base_step(closure)
                 pmodel.optimizer_params.write_back(before_collectives=ready)
             if self.loss_scaler is not None:
                 self.loss_scaler.update(skip)
                 self._found_inf = None
             return result
+
+    def _base_step(self, closure: Callable[[], Any] | None) -> Any:
+        """The user's optimizer's own step, without torch's hook wrapper: torch wraps `step` of
+        every optimizer class it instantiates, so once a plain instance of the same class exists
+        the base's step is wrapped too, and the wrapper around this class's step has already run
+        the step hooks and opened the profiler range (a second pass ran each hook twice)."""
+        step = super().step.__func__  # type: ignore[misc]
+        if getattr(step, "hooked", False):
+            step = step.__wrapped__
+        return step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._found_inf = None

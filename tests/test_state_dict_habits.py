@@ -71,3 +71,28 @@ def test_state_dict_and_load_state_dict_in_every_zero_stage():
             assert readable, f"zero={zero} tp={tp} rank {rank}: torch.save(pm.state_dict()) did not read back whole"
             assert size > 100_000, f"zero={zero}: torch.save wrote {size} bytes (freed storage?)"
             assert diff == 0.0, f"zero={zero} tp={tp} rank {rank}: load_state_dict then a step differs by {diff}"
+
+
+def _hook_calls(zero: int) -> list[str]:
+    """Step hooks on the optimizer (its own and torch's global ones) over two steps, after a
+    plain instance of the same class exists, as it does wherever a user also builds one."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # torch now wraps AdamW.step itself too
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=zero))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    register_optimizer_step_pre_hook(lambda *_: calls.append("global pre"))
+    register_optimizer_step_post_hook(lambda *_: calls.append("global post"))
+    for batch in gpt_batches(2, 4):
+        _step(pm, opt, batch)
+    return calls
+
+
+def test_optimizer_step_hooks_run_once_per_step():
+    """torch.optim's step hooks run once per optimizer.step, as on a plain optimizer (they ran
+    twice once torch had wrapped the base class's step as well as ours)."""
+    once = ["global pre", "pre", "post", "global post"]
+    assert sw.testing.run_on_ranks(_hook_calls, 2, 1) == [once * 2] * 2
