@@ -79,6 +79,12 @@ class OptimizerParams:
                     and topology.cp_rank == 0
                 self.pieces[id(param)] = [self._whole_piece(param, slot.get(id(param)), fp32_values.get(id(param)),
                                                             counted)]
+        # the per-step loops visit only pieces with work to do: a piece that is the parameter itself
+        # (plain fp32 without ZeRO) takes its gradient and its update in place, so a step at world 1
+        # costs no Python per parameter beyond torch's optimizer
+        every = [piece for pieces in self.pieces.values() for piece in pieces]
+        self._separate = [piece for piece in every if piece.optimized is not piece.param]
+        self._written = [piece for piece in every if piece.write_back is not None]
 
     # building --------------------------------------------------------------------------
     def _whole_piece(self, param, where, fp32: torch.Tensor | None, counted: bool) -> ParamPiece:
@@ -129,18 +135,15 @@ class OptimizerParams:
     def load_grads(self) -> None:
         if self._loaded:
             return
-        for pieces in self.pieces.values():
-            for piece in pieces:
-                piece.optimized.grad = piece.grad()
+        for piece in self._separate:
+            piece.optimized.grad = piece.grad()
         self._loaded = True
 
     @torch.no_grad()
     def write_back(self, before_collectives: Callable[[], None] = lambda: None) -> None:
         """After a step: the model gets the updated values (all-gathered under ZeRO-1/2)."""
-        for pieces in self.pieces.values():
-            for piece in pieces:
-                if piece.write_back is not None:
-                    piece.write_back()
+        for piece in self._written:
+            piece.write_back()
         if self.zero.params_flat:  # ZeRO-1/2: every buffer; ZeRO-3: those kept whole (outside any unit)
             before_collectives()
             works = []
@@ -168,10 +171,8 @@ class OptimizerParams:
     def zero_grad(self) -> None:
         """Drop the masters' gradients (views of the reduced buckets); a master that is the
         parameter itself follows the module's zero_grad."""
-        for pieces in self.pieces.values():
-            for piece in pieces:
-                if piece.optimized is not piece.param:
-                    piece.optimized.grad = None
+        for piece in self._separate:
+            piece.optimized.grad = None
         self._loaded = False
 
     def grads(self) -> list[torch.Tensor]:
