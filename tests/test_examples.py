@@ -1,35 +1,54 @@
 """The fine-tuning recipe runs as a user runs it: four torchrun-style processes, a few steps,
 a second launch that resumes from its checkpoint, metrics a reader parses, and a final
-directory transformers loads."""
+directory transformers loads. The unbroken run they must equal runs on run_on_ranks' workers
+(the same four processes' worth of work, without four interpreter starts)."""
 
 from __future__ import annotations
 
 import json
 import math
+import runpy
+import sys
 from pathlib import Path
 
 import torch
 import transformers
 
+import shardwise as sw
 from launch import free_port, launch, torchrun_environment
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "finetune_hf.py"
 
 
+def _arguments(out: Path, *more: str) -> list[str]:
+    return [str(RECIPE), "--tiny", "--out", str(out), "--steps", "6", *more, "--tp", "2", "--save-every", "2",
+            "--warmup", "2", "--lr", "3e-3", "--batch", "8", "--seq", "32"]
+
+
 def _run(out: Path, *more: str) -> None:
-    args = ["--tiny", "--out", str(out), "--steps", "6", *more, "--tp", "2", "--save-every", "2", "--warmup", "2",
-            "--lr", "3e-3", "--batch", "8", "--seq", "32"]
-    script = f"import runpy, sys; sys.argv = {[str(RECIPE)] + args!r}; runpy.run_path({str(RECIPE)!r}, run_name='__main__')"
+    """The recipe in four fresh interpreters with torchrun's variables, as a user launches it."""
+    script = f"import runpy, sys; sys.argv = {_arguments(out, *more)!r}; runpy.run_path({str(RECIPE)!r}, run_name='__main__')"
     port = free_port()
     outputs = launch(script, [torchrun_environment(r, 4, port) for r in range(4)], timeout=300)
     assert [code for code, _, _ in outputs] == [0] * 4, [(code, err[-3000:]) for code, _, err in outputs]
+
+
+def _recipe(arguments: list[str]) -> None:
+    sys.argv = arguments
+    runpy.run_path(str(RECIPE), run_name="__main__")
+
+
+def _run_in_workers(out: Path) -> None:
+    """The same recipe on run_on_ranks' four workers (no interpreter start each): the unbroken
+    run the launched ones are compared with."""
+    sw.testing.run_on_ranks(_recipe, 4, _arguments(out), timeout=300)
 
 
 def test_finetune_recipe_trains_resumes_and_exports(tmp_path):
     out, straight = tmp_path / "run", tmp_path / "straight"
     _run(out, "--stop-at", "3")  # preempted after step 3 (a checkpoint there, between the periodic ones)
     _run(out)  # resumes at step 3
-    _run(straight)
+    _run_in_workers(straight)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     unbroken = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     # the same layout resumes bit for bit: model, AdamW's moments, the schedule's step, the data's position
