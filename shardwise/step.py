@@ -237,9 +237,12 @@ class MicrobatchLosses:
                 if keep:
                     kept.append(detached(out))
                 losses.append(loss.detach() if reduce != "tokens" else torch.where(counts[-1] > 0, loss.detach(), 0.0))
-                stacked = torch.stack(losses).float()
-                replica_loss = stacked.mean() if reduce == "mean" else stacked.sum()
                 if i == parts - 1:  # averaged over replicas along with the gradients
+                    if parts == 1:  # its own mean or sum, as a copy the caller may keep: one kernel, not two
+                        replica_loss = losses[0].to(torch.float32, copy=True)
+                    else:
+                        stacked = torch.stack(losses).float()
+                        replica_loss = stacked.mean() if reduce == "mean" else stacked.sum()
                     if self.loss_sharded:  # the shards' shares summed: the whole loss on every tp rank
                         replica_loss = self._sum_over_tp(replica_loss)
                     if reduce == "tokens":
