@@ -1,9 +1,10 @@
 """torch.compile the way torchtitan applies it: each block of the model's main layer list
 compiled in place (`block.compile()`), `fullgraph=True` unless a block is recomputed (torch's
 composable activation checkpoint runs a generator in the block's hooks, which Dynamo leaves
-outside the graph: the block's forward still compiles whole) or holds experts dispatched by
+outside the graph: the block's forward still compiles whole), holds experts dispatched by
 expert parallelism (their all-to-alls are sized from the routing on the host: eager between
-the block's graphs).
+the block's graphs) or records router logits for transformers' load-balancing loss (its
+capturing hooks read a ContextVar, which Dynamo cannot trace: they run between graphs).
 
 Equal blocks share one graph (the plan reaches code inside a block as interned layouts, never
 as a module path Dynamo would specialize on), state-dict keys stay the module's own (no
@@ -43,7 +44,14 @@ def compile_blocks(module: nn.Module, tensor_parallel: TensorParallel | None, re
         raise ConfigError(f"fullgraph=True with expert parallelism: the token dispatch of {dispatched[0]!r} (and "
                           f"{len(dispatched) - 1} more) sizes its all-to-alls from the routing on the host, so it runs "
                           "eagerly between the block's graphs; compile with fullgraph=False (the default here)")
-    kwargs.setdefault("fullgraph", not dispatched and not any(path in recomputed for path, _ in named))
+    recorded = [type(m).__name__ for m in module.modules()
+                if getattr(getattr(m, "config", None), "output_router_logits", False) is True]
+    if recorded and kwargs.get("fullgraph"):
+        raise ConfigError(f"fullgraph=True with {recorded[0]}'s load-balancing loss (output_router_logits=True): "
+                          "transformers records router logits with forward hooks that read a ContextVar, which Dynamo "
+                          "cannot trace; compile with fullgraph=False (the default here: each hook runs between the "
+                          "block's graphs), or set output_router_logits=False")
+    kwargs.setdefault("fullgraph", not dispatched and not recorded and not any(path in recomputed for path, _ in named))
     for _, block in named:
         block.compile(*args, **kwargs)
     return [path for path, _ in named]
