@@ -17,10 +17,18 @@ one-process gradient too), and so do the tp ranks when a sequence-parallel plan 
 its own shard. Those tp peers hold the same loss, whose gradient for a row each computes: the
 sum over them is divided by tp (the router's gradients, partial over tp, are then summed over
 tp by the buckets). Tensor-parallel ranks routing the same tokens gather over dp and cp alone.
+
+transformers also weighs that loss by the call's `attention_mask`, which is this replica's
+only: the gathered rows and one replica's mask do not describe the same tokens. So a call
+guard (`LossCallGuard`) on the model that adds the loss drops a mask that counts every token
+(the loss is then the unmasked one the gathered rows give; the causal attention is the same),
+and refuses a padded one; it also refuses `output_router_logits=True` passed per call to a
+model whose config had it off when it was parallelized (its loss would be each replica's).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -114,13 +122,55 @@ def _rows_over_replicas(x: torch.Tensor, group, wait, weight) -> torch.Tensor:
     return _RowsOverReplicas.apply(x, group, wait, weight)
 
 
+class LossCallGuard:
+    """A forward pre-hook on each model that adds transformers' load-balancing loss (it holds
+    `router_aux_loss_coef`): what a call may pass when several ranks route their own tokens."""
+
+    def __init__(self, module: nn.Module, gathering: bool):
+        self.gathering = gathering  # router logits are gathered (the config had output_router_logits on)
+        for model in module.modules():
+            if hasattr(model, "router_aux_loss_coef") and hasattr(getattr(model, "config", None), "output_router_logits"):
+                names = [a.name for a in inspect.signature(type(model).forward).parameters.values()
+                         if a.kind in (a.POSITIONAL_ONLY, a.POSITIONAL_OR_KEYWORD)][1:]
+                position = names.index("attention_mask") if "attention_mask" in names else None
+                model.register_forward_pre_hook(self._hook(type(model).__name__, position), with_kwargs=True)
+
+    def _hook(self, name: str, position: int | None):
+        def guard(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            asked = kwargs.get("output_router_logits")
+            if asked is None:
+                asked = model.config.output_router_logits
+            if not asked:
+                return None
+            if not self.gathering:
+                raise ModelError(f"{name} was called with output_router_logits=True but its config had it off when it "
+                                 "was parallelized, so its load-balancing loss would be each replica's, not the whole "
+                                 "batch's: set config.output_router_logits=True before sw.parallelize")
+            positional = position is not None and len(args) > position
+            mask = args[position] if positional else kwargs.get("attention_mask")
+            if mask is None:
+                return None
+            if not bool(torch.as_tensor(mask).bool().all()):
+                raise ModelError(f"{name} was called with a padded attention_mask and its load-balancing loss on: "
+                                 "transformers weighs the router logits, which shardwise gathers over the ranks routing "
+                                 "their own tokens, by this rank's mask alone, which is not one process's loss. Pack the "
+                                 "batch without padding, or set output_router_logits=False")
+            if positional:  # every token counted: the unmasked loss, and the same causal attention
+                return (*args[:position], None, *args[position + 1:]), kwargs
+            return args, {**kwargs, "attention_mask": None}
+        return guard
+
+
 def apply_router_logits_over_replicas(module: nn.Module, topology: Topology,
                                       partial_over_tp: set[int] = frozenset()) -> RouterLogitsOverReplicas | None:
     """The hooks, where a model records router logits for its load-balancing loss and more than
     one rank routes its own tokens (`partial_over_tp`: ids of parameters run on tp shards of the
-    data, the routers' among them under sequence parallelism)."""
-    found = routers(module) if records_router_logits(module) else {}
+    data, the routers' among them under sequence parallelism); the call guard wherever a model
+    could add that loss and more than one rank routes."""
+    found = routers(module)
     over_tp = any(id(p) in partial_over_tp for router in found.values() for p in router.parameters())
     if not found or topology.size("dp", "cp") * (topology.sizes["tp"] if over_tp else 1) == 1:
         return None
-    return RouterLogitsOverReplicas(module, topology, over_tp)
+    gathering = records_router_logits(module)
+    LossCallGuard(module, gathering)
+    return RouterLogitsOverReplicas(module, topology, over_tp) if gathering else None
