@@ -507,22 +507,28 @@ def test_compiled_blocks_with_experts_dispatched():
     graphs and fullgraph=True is refused there as well."""
     from parity import assert_parity
 
-    cases = [("mixtral", {"ep": 2}, True, None, 8),  # (Dynamo's eager backend: its graphs and breaks, no inductor build)
-             ("mixtral", {"tp": 2, "sequence_parallel": True}, True, "mixtral", 7)]
+    from shardwise.compat import COMPILES_DTENSOR_PARAMETERS
+
+    tensor_parallel = ("mixtral", {"tp": 2, "sequence_parallel": True}, True, "mixtral", 7)
+    cases = [("mixtral", {"ep": 2}, True, None, 8)]  # (Dynamo's eager backend: its graphs and breaks, no inductor build)
+    if COMPILES_DTENSOR_PARAMETERS:
+        cases.append(tensor_parallel)
+    else:  # torch < 2.13 loses tensor-parallel gradients in compiled code: refused (tests/test_compile.py)
+        with pytest.raises(sw.RankFailedError, match="loses the gradients of tensor-parallel parameters"):
+            sw.testing.run_on_ranks(_compiled, 2, [tensor_parallel])
     references = [reference_run(functools.partial(make_moe, kind, aux_loss=aux), moe_batches(seq=seq))
                   for kind, _, aux, _, seq in cases]
     for runs in sw.testing.run_on_ranks(_compiled, 2, cases):
         for reference, run in zip(references, runs):
             assert_parity(reference, run)
-    for config, refusal in (({"ep": 2}, "fullgraph=True with expert parallelism"),
-                            ({"tp": 2}, "fullgraph=True with MixtralForCausalLM's load-balancing loss")):
+    for config, aux, refusal in (({"ep": 2}, False, "fullgraph=True with expert parallelism"),
+                                 ({}, True, "fullgraph=True with MixtralForCausalLM's load-balancing loss")):
         with pytest.raises(sw.RankFailedError, match=refusal):
-            sw.testing.run_on_ranks(_compile_fullgraph, 2, config)
+            sw.testing.run_on_ranks(_compile_fullgraph, 2, config, aux)
 
 
-def _compile_fullgraph(config: dict):
-    pm = sw.parallelize(make_moe("mixtral", aux_loss="tp" in config), sw.ParallelConfig(**config),
-                        plan="mixtral" if "tp" in config else None)
+def _compile_fullgraph(config: dict, aux_loss: bool):
+    pm = sw.parallelize(make_moe("mixtral", aux_loss=aux_loss), sw.ParallelConfig(**config))
     pm.compile(fullgraph=True)
 
 
