@@ -179,16 +179,13 @@ def _forward(pmodel, microbatch: Any, creations: _Creations) -> list[torch.Tenso
     if pipeline is None:
         with creations:
             return [loss_of(pmodel.run_module(microbatch))]
-    from .parallel.pipeline.program import StageModule
-
     compiled = pipeline.compiled(microbatch)
     kept = []
     for stage in pipeline.stages:
         received, _ = compiled.examples[stage]
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in received]
-        last = stage == pipeline.layout.num_stages - 1
-        part = StageModule(pmodel.module, compiled.program, compiled.parts[stage], last, pipeline.device)
+        part = pipeline.stage_module(compiled.program, compiled.parts[stage])
         with creations, pipeline.forward_context():
             out = part(*inputs, batch=microbatch)
-        kept += [loss_of(out)] if last else tensor_leaves(out)
+        kept += [loss_of(out)] if part.last else tensor_leaves(out)
     return kept

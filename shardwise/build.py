@@ -230,7 +230,7 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                             config.microbatches, pipelined.units, pipelined.microbatch, pipelined.program,
                             functools.partial(forward_context, tensor_parallel, context_parallel, module)
                             if tensor_parallel is not None or context_parallel is not None else None,
-                            pipelined.draws)
+                            pipelined.draws, pipelined.router_rows)
     if config.sync_batchnorm and topology.sizes["dp"] > 1:
         sync_batchnorm(module, topology.group("dp"))
     fp32_values = apply_mixed_precision(module, config)
@@ -320,6 +320,7 @@ class PipelineCapture:
     program: Any
     layout: StageLayout
     draws: Any = None  # under cp: the mode drawing a shard's random numbers as the stages will
+    router_rows: int = 1  # ranks whose tokens a load-balancing loss's gathered router logits hold
 
 
 def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, sample: Any) -> PipelineCapture:
@@ -337,9 +338,10 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         )
     microbatch = split_batch(sample, config.microbatches)[0]
     draws = whole_sequence_draws(config.cp, config.sequence_dim) if config.cp > 1 else None
+    router_rows = config.resolve(dist.get_world_size()).dp * config.cp  # a capture routes one rank's tokens
     try:
         program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts,
-                                                           draws)
+                                                           draws, router_rows)
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
@@ -349,7 +351,7 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         refuse_shifted_labels(program.steps)
     layout = layout_stages(module, plan, config, program)
     split(program, layout.stage_of, layout.num_stages)  # values flowing against the stage order are refused now
-    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout, draws)
+    return PipelineCapture(shadow, fake_mode, units, microbatch, program, layout, draws, router_rows)
 
 
 def _fake_mode_of(module: nn.Module) -> Any:

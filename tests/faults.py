@@ -19,7 +19,8 @@ FAULTS = ("sum-not-mean", "no-all-reduce", "microbatch-sum", "tp-partial-not-sum
           "cp-positions-local", "dp-gather-pass-through", "sharded-loss-whole",
           "float8-amax-per-shard", "float8-gather-amax-per-shard", "expert-tokens-dropped", "expert-grads-over-dp",
           "aux-loss-per-replica", "jitter-per-shard", "cp-random-per-shard", "expert-dispatch-draws",
-          "expert-grads-without-cp", "expert-weight-without-cp", "aux-tp-peers-summed")
+          "expert-grads-without-cp", "expert-weight-without-cp", "aux-tp-peers-summed",
+          "aux-logits-detached")
 
 
 class _NoAllReduce:
@@ -96,7 +97,21 @@ def inject(name: str, config: dict) -> None:
 
         router.RouterLogitsOverReplicas.__init__ = summing
     elif name == "aux-loss-per-replica":  # the load-balancing loss over each replica's own tokens
+        import shardwise.parallel.pipeline.program as program
+
         build.apply_router_logits_over_replicas = lambda *args, **kwargs: None
+        recorded = program.recorded_router_logits  # (under pp, captured as one replica's rows too)
+        program.recorded_router_logits = lambda module, rows=1: recorded(module, 1)
+    elif name == "aux-logits-detached":  # under pp: router logits sent to the loss's stage without their gradient
+        import shardwise.parallel.pipeline.program as program
+
+        with_logits = program.StageModule._with_router_logits
+
+        def detached(self, *args):
+            out, taken = with_logits(self, *args)
+            return out, tuple(t.detach() for t in taken)
+
+        program.StageModule._with_router_logits = detached
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
         import shardwise.topology as topology
 

@@ -347,10 +347,20 @@ class Case:
     plan: Any = None
     optimizer: str = "sgd"
     reference_microbatches: int = 1  # the reference runs the batch in this many slices
+    # the order the reference takes each batch's rows in (its slices then hold the rows of every
+    # replica's same microbatch, where a loss over a microbatch's rows gathers them over replicas)
+    reference_rows: list[int] | None = None
+    fault: str | None = None  # tests/faults.py: a mechanism broken on the ranks (the case must then fail)
+
+    def reference_batches(self) -> list:
+        if self.reference_rows is None:
+            return self.batches
+        rows = torch.tensor(self.reference_rows)
+        return [{k: v[rows] for k, v in batch.items()} for batch in self.batches]
 
 
 def _train_cases(cases: list[Case]) -> list[Run]:
-    return [train_parallel(c.config, c.factory, c.batches, c.plan, optimizer=c.optimizer) for c in cases]
+    return [train_parallel(c.config, c.factory, c.batches, c.plan, optimizer=c.optimizer, fault=c.fault) for c in cases]
 
 
 def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
@@ -358,7 +368,7 @@ def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
     each case trains in turn on every rank and is compared with its own one-process run."""
     references = []
     for case in cases:
-        references.append(reference_run(case.factory, case.batches, optimizer=case.optimizer,
+        references.append(reference_run(case.factory, case.reference_batches(), optimizer=case.optimizer,
                                         microbatches=case.reference_microbatches))
         assert_meaningful(references[-1], case.optimizer)
     results = sw.testing.run_on_ranks(_train_cases, world, cases)

@@ -125,13 +125,6 @@ def check_expert_parallel(module: nn.Module, config: ParallelConfig) -> None:
     """Refuse what expert parallelism (and a load-balancing loss over the whole batch, router.py)
     cannot run exactly, before any collective."""
     name = type(module).__name__
-    aux = [m.config for m in module.modules() if getattr(getattr(m, "config", None), "output_router_logits", False)]
-    if aux and config.pp > 1 and grouped_experts(module):
-        raise ConfigError(
-            f"{name} adds its load-balancing loss (output_router_logits=True), which shardwise takes over the whole "
-            f"batch by gathering router logits over the ranks routing their own tokens; with pp={config.pp} the "
-            "logits of earlier stages would have to travel to the last: not done yet. Set "
-            "output_router_logits=False, or train it with dp, ep, tp, cp and ZeRO")
     if config.ep == 1:
         return
     found = grouped_experts(module)

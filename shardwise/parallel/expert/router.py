@@ -24,6 +24,11 @@ guard (`LossCallGuard`) on the model that adds the loss drops a mask that counts
 (the loss is then the unmasked one the gathered rows give; the causal attention is the same),
 and refuses a padded one; it also refuses `output_router_logits=True` passed per call to a
 model whose config had it off when it was parallelized (its loss would be each replica's).
+
+Under pp the loss is glue on the last stage: `RecordedRouterLogits` makes each unit hand its
+routers' (gathered) logits out as extra outputs, which travel down the pipeline (program.py).
+Each microbatch's loss is over the rows every replica routes in that microbatch, as under
+gradient accumulation.
 """
 
 from __future__ import annotations
@@ -120,6 +125,53 @@ class RouterLogitsOverReplicas:
 @torch.compiler.disable  # replicas' row counts decide the gather's sizes on the host: eager inside a compiled block
 def _rows_over_replicas(x: torch.Tensor, group, wait, weight) -> torch.Tensor:
     return _RowsOverReplicas.apply(x, group, wait, weight)
+
+
+class RecordedRouterLogits:
+    """Each router's logits as its forward hands them on (gathered over replicas where the hooks
+    above run first), taken between `start()` and `stop()`. Under pp the load-balancing loss is glue on
+    the last stage, while the routers run on every stage: a stage returns its routers' logits as
+    extra outputs of their unit call (pipeline/program.py), sent down the pipeline like hidden
+    states, and their gradients come back the same way. On a capture's fake shadow, `rows` > 1
+    repeats each router's rows as the real gather will hold them, so the loss's glue, specialized
+    to the captured shapes, divides by the whole batch's row count."""
+
+    def __init__(self, module: nn.Module, rows: int = 1):
+        self.rows = rows
+        self.taken: list[torch.Tensor] | None = None
+        self.handles = [router.register_forward_hook(self._take, prepend=True)
+                        for router in routers(module).values()]
+
+    def _take(self, router: nn.Module, args: Any, out: Any) -> Any:
+        if self.taken is None:
+            return None
+        logits = out[0] if isinstance(out, tuple) and isinstance(out[0], torch.Tensor) else None
+        if logits is None or logits.dim() != 2:
+            raise ModelError(f"router {type(router).__name__} did not return (logits [tokens, experts], ...) as "
+                             "transformers' routers do, so its load-balancing loss cannot be taken under pp; set "
+                             "output_router_logits=False")
+        if self.rows > 1:
+            logits = logits.repeat(self.rows, 1)
+            out = (logits, *out[1:])
+        self.taken.append(logits)
+        return out if self.rows > 1 else None
+
+    def start(self) -> None:
+        self.taken = []
+
+    def stop(self) -> list[torch.Tensor]:
+        """The logits taken since `start`, in call order."""
+        taken, self.taken = self.taken or [], None
+        return taken
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def recorded_router_logits(module: nn.Module, rows: int = 1) -> RecordedRouterLogits | None:
+    """The recorder where a model inside `module` adds the load-balancing loss, else None."""
+    return RecordedRouterLogits(module, rows) if records_router_logits(module) and routers(module) else None
 
 
 class LossCallGuard:

@@ -47,6 +47,7 @@ from ...batch import loss_of
 from ...errors import ModelError
 from ...tensors import is_kv_cache, op_name, tensor_leaves
 from ..expert.experts import grouped_experts
+from ..expert.router import RecordedRouterLogits, recorded_router_logits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Step:
     tensor_slots: list[int]  # positions of the result's tensor leaves (in pytree flatten order)
     grad: bool  # grad mode it ran in
     random: list  # recipes of the random ops it runs (for the one-process RNG schedule)
+    side: tuple = ()  # a unit's: shapes of the router logits it hands out (its result is (out, logits))
 
 
 @dataclass
@@ -214,13 +216,13 @@ class _Builder:
             "reproduce it. Register it as a buffer of a module"
         )
 
-    def record(self, func, unit, args, kwargs, out) -> None:
+    def record(self, func, unit, args, kwargs, out, side: tuple = ()) -> None:
         leaves = tree_flatten(out)[0]
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         refs = tree_map(self.ref, args), tree_map(self.ref, kwargs)
         outputs = [self.bind(leaves[i]) for i in slots]
         self.steps.append(Step(len(self.steps), func, unit, refs[0], refs[1], outputs, slots,
-                               torch.is_grad_enabled(), self.random_ops))
+                               torch.is_grad_enabled(), self.random_ops, side))
         self.random_ops = []
 
     def on_op(self, func, args, kwargs, out) -> None:
@@ -234,14 +236,14 @@ class _Builder:
 
 def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode | None = None,
                    parts: list[str] | tuple[str, ...] = (), draws: Callable[[Any], Any] | None = None,
-                   ) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
+                   router_rows: int = 1) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
     """Capture `module`'s forward on `microbatch` at the units of plan/stages.py: the program,
     the fake shadow it ran on (kept to capture other shapes later), its fake mode and the units."""
     from ...plan.stages import candidate_units
 
     units = candidate_units(module, parts)
     shadow, fake_mode = fake_shadow(module, fake_mode)
-    return capture(shadow, fake_mode, microbatch, units, draws), shadow, fake_mode, units
+    return capture(shadow, fake_mode, microbatch, units, draws, router_rows), shadow, fake_mode, units
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -251,16 +253,19 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units: list[str],
-            draws: Callable[[Any], Any] | None = None) -> Program:
+            draws: Callable[[Any], Any] | None = None, router_rows: int = 1) -> Program:
     """Run `shadow`'s forward on a fake copy of `microbatch`, recording the unit program.
     `draws(microbatch)`: a mode to run it in that draws random numbers as the real forward
-    does (context parallelism's whole-sequence draws), so the recorded random ops replay them."""
+    does (context parallelism's whole-sequence draws), so the recorded random ops replay them.
+    `router_rows`: the ranks whose tokens a router's logits hold when a load-balancing loss
+    gathers them (expert/router.py); a unit hands its routers' logits out as extra outputs."""
     from torch.utils.flop_counter import FlopCounterMode
 
     builder = _Builder(shadow, units)
     counter = FlopCounterMode(display=False)
     handles = []
     started: dict[str, float] = {}
+    recorder = recorded_router_logits(shadow, router_rows)
     for path, unit in builder.units.items():
         def before(m, args, kwargs, path=path):
             if builder.depth == 0:
@@ -270,6 +275,8 @@ def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units
                 builder.note_caches(args, kwargs, path)
                 builder.pending = (args, kwargs)
                 builder.random_ops = []
+                if recorder is not None:
+                    recorder.start()
             builder.depth += 1
 
         def after(m, args, kwargs, out, path=path):
@@ -277,7 +284,10 @@ def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units
             if builder.depth == 0:
                 builder.flops[path] += counter.get_total_flops() - started.pop(path)
                 call_args, call_kwargs = builder.pending
-                builder.record(None, path, call_args, call_kwargs, out)
+                side = recorder.stop() if recorder is not None else []
+                if side:
+                    out = (out, tuple(side))
+                builder.record(None, path, call_args, call_kwargs, out, tuple(tuple(t.shape) for t in side))
 
         handles.append(unit.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(unit.register_forward_hook(after, with_kwargs=True))
@@ -291,6 +301,8 @@ def capture(shadow: nn.Module, fake_mode: FakeTensorMode, microbatch: Any, units
     finally:
         for handle in handles:
             handle.remove()
+        if recorder is not None:
+            recorder.remove()
     loss_of(out, needs_grad=False)  # a pipeline's last stage hands the loss to the schedule
     output = tree_map(builder.ref, out)
     scalars = {builder.values[id(t)] for t in tensor_leaves(out) if t.dim() == 0}
@@ -391,9 +403,11 @@ def _input_values(step: Step) -> list[int]:
 class StageModule(nn.Module):
     """One pipeline stage: runs its part of the captured program on the real units."""
 
-    def __init__(self, root: nn.Module, program: Program, part: StagePart, last: bool, device: torch.device):
+    def __init__(self, root: nn.Module, program: Program, part: StagePart, last: bool, device: torch.device,
+                 router_logits: RecordedRouterLogits | None = None):
         super().__init__()
         self._root = [root]  # not registered: the units stay the user's module's children
+        self._router_logits = [router_logits]  # units' router logits for a load-balancing loss (program.capture)
         self.program = program
         self.part = part
         self.last = last
@@ -455,7 +469,9 @@ class StageModule(nn.Module):
                 args, kwargs = leaves, {}
             else:
                 args, kwargs = tree_unflatten(leaves, spec)
-            if step.grad or not torch.is_grad_enabled():  # the grad mode it was captured in holds already
+            if step.side:
+                out = self._with_router_logits(step, call, args, kwargs)
+            elif step.grad or not torch.is_grad_enabled():  # the grad mode it was captured in holds already
                 out = call(*args, **kwargs)
             else:
                 with torch.no_grad():
@@ -473,6 +489,24 @@ class StageModule(nn.Module):
 
     def before_step(self, index: int) -> None:
         """Called before each step runs (the random schedule sets the generator here)."""
+
+    def _with_router_logits(self, step: Step, unit: nn.Module, args: Any, kwargs: Any) -> tuple:
+        """A unit's output and the logits of its routers, as the capture recorded the call."""
+        recorder = self._router_logits[0]
+        recorder.start()
+        try:
+            with contextlib.nullcontext() if step.grad or not torch.is_grad_enabled() else torch.no_grad():
+                out = unit(*args, **kwargs)
+        finally:
+            taken = recorder.stop()
+        shapes = tuple(tuple(t.shape) for t in taken)
+        if shapes != step.side:
+            raise ModelError(
+                f"{step.unit}'s routers gave logits of shapes {list(shapes)} where the pipeline captured "
+                f"{list(step.side)}: the load-balancing loss, taken over every replica's tokens, was laid out for "
+                "microbatches of the same shape on every data-parallel and context-parallel rank. Give every rank "
+                "batches of one shape (drop_last=True), or set output_router_logits=False")
+        return out, tuple(taken)
 
 
 def _named(root: nn.Module, name: str) -> torch.Tensor:

@@ -56,6 +56,7 @@ from ...random_state import rng_state, set_rng_state, without_trace
 from ...tensors import tensor_leaves, whole
 from ...topology import Topology
 from ..data.gradients import GradientSync
+from ..expert.router import recorded_router_logits
 from .runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
 from .program import Program, Ref, StageModule, StagePart, capture, draw, split
 
@@ -133,7 +134,7 @@ class ScheduledStage(StageModule):
     def __init__(self, pipeline: "Pipeline", compiled: "Compiled", part: StagePart, loss_only: bool,
                  counts_alive: bool):
         last = part.stage == pipeline.layout.num_stages - 1
-        super().__init__(pipeline.module, compiled.program, part, last, pipeline.device)
+        super().__init__(pipeline.module, compiled.program, part, last, pipeline.device, pipeline.router_logits)
         self._pipeline = [pipeline]
         self.random = compiled.random if loss_only else None  # inference draws as it goes
         self.loss_only = loss_only
@@ -203,7 +204,7 @@ class Pipeline:
     def __init__(self, module: nn.Module, shadow: nn.Module, fake_mode, topology: Topology, layout: StageLayout,
                  schedule: str, microbatches: int, units: list[str], sample: Any, program: Program,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None,
-                 draws: Callable[[Any], Any] | None = None):
+                 draws: Callable[[Any], Any] | None = None, router_rows: int = 1):
         self.module = module
         self.shadow = shadow
         self.fake_mode = fake_mode
@@ -221,6 +222,8 @@ class Pipeline:
         self.plain_forward = forward_context is None
         self.forward_context = forward_context or contextlib.nullcontext
         self.draws = draws  # the mode a capture runs in to record random ops as the stages draw them
+        self.router_rows = router_rows  # ranks whose tokens a router's gathered logits hold (capture's shapes)
+        self.router_logits = recorded_router_logits(module)  # units hand them to the stage adding the loss
         self._sync: GradientSync | None = None
         self._holders: Counter[nn.Parameter] = Counter()  # parameter -> this rank's stages yet to finish it
         self._stage_params: dict[int, list[nn.Parameter]] | None = None
@@ -244,7 +247,7 @@ class Pipeline:
         key = (self._signature(microbatch), self.module.training)
         if key not in self._captured:
             self._captured[key] = capture(self.shadow, self.fake_mode, map_tensors(microbatch, lambda t: t.cpu()),
-                                          self.units, self.draws)
+                                          self.units, self.draws, self.router_rows)
         return self._captured[key]
 
     def compiled(self, microbatch: Any) -> Compiled:
@@ -272,14 +275,18 @@ class Pipeline:
                 received: list[torch.Tensor] = []
                 if stage > 0:
                     received = self._recv(self.owner(stage - 1))
-                module = StageModule(self.module, program, parts[stage], stage == self.layout.num_stages - 1,
-                                     self.device)
+                module = self.stage_module(program, parts[stage])
                 with self.forward_context():
                     out = module(*received, batch=microbatch)
                 examples[stage] = (tuple(received), out)
                 if stage + 1 < self.layout.num_stages:
                     self._send(list(out), self.owner(stage + 1))
         return examples
+
+    def stage_module(self, program: Program, part: StagePart) -> StageModule:
+        """A plain (unscheduled) module running `part` of `program` on this rank's units."""
+        return StageModule(self.module, program, part, part.stage == self.layout.num_stages - 1, self.device,
+                           self.router_logits)
 
     def _send(self, tensors: list[torch.Tensor], dst: int) -> None:
         meta = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]

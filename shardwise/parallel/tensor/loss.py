@@ -7,7 +7,8 @@ experts adds its load-balancing loss, computed from plain router logits) would m
 with plain tensors, which the forward tolerates for a scalar and the backward refuses. From
 the head's output to the end of the forward, `PlainLoss` hands the cross-entropy back as a
 plain tensor (each rank holds its whole value), whose gradient re-enters the loss-parallel
-backward as the replicated DTensor it came from.
+backward as the replicated DTensor it came from. A pipeline's last stage replays the loss as
+the aten ops it was recorded as (pipeline/program.py): the same for `nll_loss_forward`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 _LOSSES = (F.cross_entropy, F.nll_loss)
+# what a pipeline stage replays of them (program.py records the forward's aten ops): (loss, weight)
+_ATEN_LOSSES = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
 
 
 class PlainLoss(TorchFunctionMode):
@@ -39,6 +42,14 @@ class PlainLoss(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _LOSSES and isinstance(out, DTensor) and all(isinstance(p, Replicate) for p in out.placements):
-            return out.to_local(grad_placements=out.placements).clone()  # a view of it would refuse `loss += ...`
+        if func in _LOSSES:
+            return _plain(out)
+        if func in _ATEN_LOSSES:
+            return (_plain(out[0]), *out[1:])
         return out
+
+
+def _plain(loss):
+    if isinstance(loss, DTensor) and all(isinstance(p, Replicate) for p in loss.placements):
+        return loss.to_local(grad_placements=loss.placements).clone()  # a view of it would refuse `loss += ...`
+    return loss
