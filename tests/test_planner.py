@@ -28,17 +28,27 @@ import planner as bench  # noqa: E402  (bench/planner.py: the measurement the be
 # changes is far larger: unsharded ZeRO-2 gradients +25%, tp-replicated norms counted as
 # sharded -30% of activations at tp=2, a missing cp division +100% of activations.
 MEMORY_MARGIN = 0.10
+# A mixture of experts against the mean of its ranks (bench/planner.py: routing moves token
+# slots between ranks, their sum is the batch's): every term is a count of tensors of known
+# shapes, so no machine changes it; 1% leaves room for a few bytes of per-expert bookkeeping.
+# A missing term moves it by more: the rows kept at their origin under ep -6.4%, experts
+# counted as tp-sharded without sp -33%, selective recompute dropping the experts' grouped
+# matmuls (recomputing them) +29%.
+MOE_MEMORY_MARGIN = 0.01
+MOE_LAYOUTS = [("mixtral", 2, {"ep": 2}), ("mixtral", 2, {"tp": 2}), ("mixtral", 2, {"ep": 2, "recompute": "selective"}),
+               ("mixtral", 2, {"tp": 2, "sequence_parallel": True})]
 
 
 def test_memory_predictions_match_measurement(capsys):
     layouts = [("gpt", 2, {"dp": 2, "zero": 2}), ("gpt", 2, {"tp": 2, "sequence_parallel": True}),
                ("gpt", 2, {"tp": 2, "recompute": "full"}), ("llama", 2, {"tp": 2}), ("llama", 2, {"pp": 2, "microbatches": 2}),
                ("llama", 2, {"cp": 2}), ("llama", 2, {"dp": 2, "zero": 3, "recompute": "selective"})]
-    errors = bench.memory_validation(layouts)
-    assert len(errors) == len(layouts)
-    for name, total, states, activations in errors:  # each part on its own: a small wrong part hides in a sum
+    errors = bench.memory_validation(layouts + MOE_LAYOUTS)
+    assert len(errors) == len(layouts) + len(MOE_LAYOUTS)
+    for i, (name, total, states, activations) in enumerate(errors):  # each part on its own: a small wrong part
+        margin = MEMORY_MARGIN if i < len(layouts) else MOE_MEMORY_MARGIN  # hides in a sum
         for part, error in (("total", total), ("model states", states), ("activations", activations)):
-            assert abs(error) <= MEMORY_MARGIN, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
+            assert abs(error) <= margin, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
 
 
 # A Llama whose embedding outweighs a block, so shardwise's stage balancer gives the first

@@ -10,7 +10,7 @@ Which modules: the plan's `recompute` patterns, exactly the modules they name; o
 with `config.recompute` set, every block of the model's main layer list.
 
 How much: "full" keeps only each module's inputs and recomputes everything inside it;
-"selective" keeps the outputs of matrix multiplications, attention and the collectives
+"selective" keeps the outputs of matrix multiplications (experts' grouped ones too), attention and the collectives
 that finish a tensor-parallel block (a row-parallel matmul's full-size partial sum is
 recomputed instead: its reduced output is kept), and recomputes the cheap rest (norms, activations,
 residual adds, rotary embeddings): torch's selective activation checkpointing policy, as
@@ -46,7 +46,7 @@ RECOMPUTE_MODES = ("full", "selective")
 def _saved_ops() -> set:
     """Ops whose outputs selective recompute keeps: the expensive ones."""
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+    names = ["mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}

@@ -108,19 +108,17 @@ class Cost:
                 + self.dp_comm)
 
 
-def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes):
+def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1):
     """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
     (see tests/test_activations.py for the derivation of each coefficient)."""
     h = spec.hidden
     sbh = tokens * h
     kv = spec.kv_heads / spec.heads
     attention = 2 + 2 * kv  # q, k, v (after rotary), attention output
-    # a mixture of experts (not yet measured against sw.activation_memory): a token's top_k
-    # experts as one MLP, and its slots as sent, received and returned by the all-to-alls
-    ffn = spec.ffn * spec.top_k if spec.experts else spec.ffn
-    mlp = (4 if spec.mlp == "swiglu" else 2) * ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
-    ups = (2 if spec.mlp == "swiglu" else 1) * ffn / h
-    attention += 3 * spec.top_k if spec.experts else 0
+    moe = bool(spec.experts)
+    mlp = 0.0 if moe else (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
+    ups = 0.0 if moe else (2 if spec.mlp == "swiglu" else 1) * spec.ffn / h
+    down = 0 if moe else 1  # selective keeps the MLP's (reduced) output; a mixture's is per slot, below
     if spec.norm == "rmsnorm":  # Hugging Face's RMSNorm computes in float32
         norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
     else:
@@ -131,8 +129,24 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
                     (norm_bytes * sbh + (attention + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
                     norm_bytes * sbh + 2 * act_bytes * sbh + (attention + mlp) * act_bytes * sbh / tp
                     + stats * tokens + lse / tp)
-    selective = np.where(split, ((attention + 3 + ups) * act_bytes * sbh + lse) / tp,
-                         (3 + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
+    selective = np.where(split, ((attention + 2 + down + ups) * act_bytes * sbh + lse) / tp,
+                         (2 + down + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
+    if moe:
+        # transformers' grouped experts, per token (tests/test_planner.py measures it): each of its k
+        # slots keeps the gathered input and the expert's output (h each), gate_up, silu and their
+        # product (4 ffn); the router its float32 probabilities (E), top-k values and their sum (k + 1),
+        # the slots' weights (k) and 4k int64 indices (top-k, the sort by expert, gather and scatter
+        # back). Under ep a slot's rows come back to their origin and are kept there to be weighed
+        # (h, its weight, one more int64 index: a token's mean over the ep ranks, balanced routing).
+        # Selective recompute keeps the grouped matmuls' outputs (2 ffn + h a slot) and the
+        # router's logits. Experts stay whole on tp ranks: without sp each computes every token.
+        k, ffn, experts = spec.top_k, spec.ffn, spec.experts
+        kept_none = k * (4 * ffn + 2 * h + 1) * act_bytes + FLOAT32 * (experts + k + 1) + 8 * 4 * k \
+            + np.where(ep > 1, k * ((h + 1) * act_bytes + 8), 0)
+        kept_selective = (k * (2 * ffn + h) + experts) * act_bytes
+        routed = tokens / np.where(sp == 1, tp, 1)
+        none = none + kept_none * routed
+        selective = selective + kept_selective * routed
     full = np.where(sp == 1, act_bytes * sbh / tp, act_bytes * sbh)
     return np.select([recompute == 0, recompute == 1], [none, selective], full)
 
@@ -248,7 +262,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
 
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
-    block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes)
+    block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes, L.ep)
     end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes)
     act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_last * block + end_last
