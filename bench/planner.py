@@ -26,6 +26,7 @@ import concurrent.futures
 import multiprocessing
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -147,6 +148,72 @@ def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
     return errors
 
 
+def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
+    """The most `step` adds to the bytes allocated on `device` at any moment: torch's profiler
+    records every allocation and free with its size, in order."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device.type:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+    live = peak = 0
+    for _, size in sorted(allocations):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def measure_peak(cases: list[tuple[str, dict]]) -> list[tuple[float, float]]:
+    """On this rank, per case: (model-state bytes at a step's start, the most the step (train_step,
+    optimizer.step, zero_grad) adds at any moment: activations, transient gradients, gathers)."""
+    out = []
+    for kind, options in cases:
+        config = sw.ParallelConfig(**options)
+        batch = _batch(config.microbatches)
+        pm = sw.parallelize(build(kind), config, plan=kind if config.tp > 1 else None, sample=batch)
+        opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+
+        def step():
+            pm.train_step(batch)
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(2):  # the optimizer state exists, buckets are laid out
+            step()
+        states = float(sum(pm.memory().values()))
+        out.append((states, float(_allocation_peak(step, pm.topology.device))))
+    return out
+
+
+def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[str, float]]:
+    """Relative error of the planner's memory (its peak: states, activations and buffers)
+    against the peak measured inside a step on the busiest rank."""
+    measured = sw.testing.run_on_ranks(measure_peak, world, layouts, timeout=1200)
+    errors = []
+    for i, (kind, options) in enumerate(layouts):
+        config = sw.ParallelConfig(**options).resolve(world)
+        layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
+                        recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel),
+                        micro_batch=MICRO, microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule],
+                        virtual=1, param_bytes=4, ep=config.ep)
+        predicted = float(evaluate(model_spec(build(kind)), Cluster.local(world), layout, SEQ).memory)
+        peak = max(states + added for states, added in (rank[i] for rank in measured))
+        name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items())
+        print(f"  {name:<50} peak in the step {peak / 2 ** 20:8.3f} MiB, predicted {predicted / 2 ** 20:8.3f} MiB "
+              f"({predicted / peak - 1:+.2%})")
+        errors.append((name, predicted / peak - 1))
+    return errors
+
+
+PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
+                ("gpt", {"dp": 4, "zero": 3})]
+
+
 BIG_WORLD = 64
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
            num_key_value_heads=8)  # TinyLlama 1.1B's shape, with 8 KV heads (tp up to 8)
@@ -260,6 +327,9 @@ def main() -> None:
     print(f"memory: {len(layouts)} layouts, predicted vs measured bytes per rank (states + one microbatch's activations)")
     errors = memory_validation(layouts)
     _print_errors(errors)
+    print(f"\nthe peak inside a step (profiler allocations on top of the states at its start) against the planner's "
+          f"memory, {len(PEAK_LAYOUTS)} layouts on 4 ranks")
+    peak_validation(4, PEAK_LAYOUTS)
     print(f"\nmemory at scale: {len(BIG_LAYOUTS)} layouts of a 1.1B Llama at world {BIG_WORLD}, one process "
           "(fake process group, deferred init, activations under FakeTensorMode)")
     _print_errors(fake_world_validation(BIG, BIG_WORLD, BIG_LAYOUTS, args.big_seq))

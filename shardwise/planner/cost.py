@@ -17,7 +17,9 @@ flight and the embedding, or the last, which keeps the logits):
   measured against `sw.activation_memory` in tests/test_activations.py and
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once;
-- buffers: ZeRO-3's gathered parameters of two blocks.
+- buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
+  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (the peak inside
+  a step, measured by bench/planner.py's in-step peak).
 
 Time: compute (training FLOPs 6N + 6Lhs per token, + a forward under full recompute, over
 `EFFICIENCY` of peak), tensor-parallel collectives (4 per block and microbatch, 6 under
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ParallelConfig
+from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
@@ -271,8 +275,14 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     use_last = (L.pp > 1) & (sum(last) + act_last > sum(first) + held * act_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, act_last, held * act_first)
-    buffers = np.where(L.zero == 3, 2 * (sharded_l / L.tp + replicated_l + spec.expert_params / L.ep) * L.param_bytes,
-                       0.0)
+    block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
+    # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
+    # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
+    # the rank's gradients: in the step's peak, not between steps
+    rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.param_bytes
+    bucket = np.where(L.zero == 3, block_bytes, ParallelConfig.bucket_mb * 2 ** 20)
+    filling = np.where(L.zero >= 2, np.minimum((IN_FLIGHT + 1) * bucket, rank_bytes), 0.0)
+    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + filling
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last)
 
