@@ -144,8 +144,11 @@ EP_LAYOUTS = {  # name: config, optimizer, zoo plan (tp), kinds
 
 
 # the load-balancing loss over the whole batch: name -> config, sequence length (7: sequence shards)
-AUX_LAYOUTS = {2: {"dp2": ({}, 8), "tp2": ({"tp": 2}, 8), "tp2 + sp": ({"tp": 2, "sequence_parallel": True}, 7)},
-               4: {"ep4": ({"ep": 4}, 8), "ep2 x tp2 + sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, 7)}}
+AUX_LAYOUTS = {2: {"dp2": ({}, 8), "ep2": ({"ep": 2}, 8), "tp2": ({"tp": 2}, 8),
+                   "tp2 + sp": ({"tp": 2, "sequence_parallel": True}, 7)},
+               4: {"ep4": ({"ep": 4}, 8), "ep2 x dp2": ({"ep": 2}, 8), "ep2 x tp2": ({"ep": 2, "tp": 2}, 8),
+                   "ep2 x dp2 zero3": ({"ep": 2, "zero": 3}, 8),
+                   "ep2 x tp2 + sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, 7)}}
 SEQUENCE_LAYOUTS = {2: {}, 4: {"ep2 x tp2 + sp": {"ep": 2, "tp": 2, "sequence_parallel": True},  # experts route the
                                "tp2 + sp x dp2": {"tp": 2, "sequence_parallel": True}}}  # tokens of a sequence shard
 # context parallelism: each cp rank routes its own tokens of every sequence (pre-shifted labels,
