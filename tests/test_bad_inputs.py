@@ -963,8 +963,8 @@ def _experts(kind: str, **config):
     from test_expert import make_moe
     from test_zoo import make
 
-    return sw.parallelize(make_moe("mixtral", **({"experts": 6} if kind == "six experts" else {}),
-                                   aux_loss=kind == "load-balancing loss") if kind != "llama" else make("llama"),
+    return sw.parallelize(make_moe("mixtral", **({"experts": 6} if kind == "six experts" else {}))
+                          if kind != "llama" else make("llama"),
                           sw.ParallelConfig(**config), plan="mixtral" if config.get("tp", 1) > 1 else None)
 
 
@@ -976,8 +976,6 @@ RANKS4 = {
     "ep not dividing dp": Case(lambda: _experts("mixtral", ep=4, tp=2), "ConfigError", "ep=4 does not divide dp=2"),
     "ep not dividing the experts": Case(lambda: _experts("six experts", ep=4), "ConfigError",
                                         "ep=4 does not divide the 6 experts"),
-    "a load-balancing loss under pp": Case(lambda: _experts("load-balancing loss", ep=2, pp=2, microbatches=2),
-                                           "ConfigError", "with pp=2 the logits of earlier stages"),
     "a ParallelModule inside a plain module": Case(_inside_a_plain_module, "ModelError",
                                                   "called on a tensor computed from trainable parameters outside it"),
     "dp contradicting the world": Case(lambda: sw.parallelize(make_gpt(0), sw.ParallelConfig(dp=3)), "ConfigError",
