@@ -106,14 +106,19 @@ def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]
     return out
 
 
-def predict(kind: str, options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: int = MICRO):
-    """The planner's (first stage, last stage) prediction of (states, one microbatch's activations)."""
+def _cost(options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: int = MICRO):
+    """The planner's Cost of `options` (a ParallelConfig's fields) for `model` on `world` local ranks."""
     config = sw.ParallelConfig(**options).resolve(world)
     layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
                     recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=micro,
                     microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1, param_bytes=4,
                     ep=config.ep)
-    cost = evaluate(model_spec(model), Cluster.local(world), layout, seq)
+    return evaluate(model_spec(model), Cluster.local(world), layout, seq)
+
+
+def predict(kind: str, options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: int = MICRO):
+    """The planner's (first stage, last stage) prediction of (states, one microbatch's activations)."""
+    cost = _cost(options, model, world, seq, micro)
     return ((float(cost.states_first), float(cost.microbatch_first)),
             (float(cost.states_last), float(cost.microbatch_last)))
 
@@ -196,12 +201,7 @@ def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[s
     measured = sw.testing.run_on_ranks(measure_peak, world, layouts, timeout=1200)
     errors = []
     for i, (kind, options) in enumerate(layouts):
-        config = sw.ParallelConfig(**options).resolve(world)
-        layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
-                        recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel),
-                        micro_batch=MICRO, microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule],
-                        virtual=1, param_bytes=4, ep=config.ep)
-        predicted = float(evaluate(model_spec(build(kind)), Cluster.local(world), layout, SEQ).memory)
+        predicted = float(_cost(options, build(kind), world).memory)
         peak = max(states + added for states, added in (rank[i] for rank in measured))
         name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items())
         print(f"  {name:<50} peak in the step {peak / 2 ** 20:8.3f} MiB, predicted {predicted / 2 ** 20:8.3f} MiB "

@@ -113,13 +113,18 @@ class RouterLogitsOverReplicas:
 
     def _hook(self, path: str):
         def whole_batch(router: nn.Module, args: Any, out: Any) -> Any:
-            if not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor) or out[0].dim() != 2:
-                raise ModelError(f"router {path!r} ({type(router).__name__}) did not return (logits [tokens, "
-                                 "experts], ...) as transformers' routers do, so its load-balancing loss cannot be "
-                                 "taken over the whole batch; set output_router_logits=False")
-            return (_rows_over_replicas(out[0], self.group, self.wait, lambda: self.replica_weight() * self.share),
+            logits = _logits_of(router, out, f"router {path!r} ({type(router).__name__})", "over the whole batch")
+            return (_rows_over_replicas(logits, self.group, self.wait, lambda: self.replica_weight() * self.share),
                     *out[1:])
         return whole_batch
+
+
+def _logits_of(router: nn.Module, out: Any, what: str, how: str) -> torch.Tensor:
+    """A router's logits [tokens, experts], the first of what transformers' routers return."""
+    if not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor) or out[0].dim() != 2:
+        raise ModelError(f"{what} did not return (logits [tokens, experts], ...) as transformers' routers do, so its "
+                         f"load-balancing loss cannot be taken {how}; set output_router_logits=False")
+    return out[0]
 
 
 @torch.compiler.disable  # replicas' row counts decide the gather's sizes on the host: eager inside a compiled block
@@ -145,11 +150,7 @@ class RecordedRouterLogits:
     def _take(self, router: nn.Module, args: Any, out: Any) -> Any:
         if self.taken is None:
             return None
-        logits = out[0] if isinstance(out, tuple) and isinstance(out[0], torch.Tensor) else None
-        if logits is None or logits.dim() != 2:
-            raise ModelError(f"router {type(router).__name__} did not return (logits [tokens, experts], ...) as "
-                             "transformers' routers do, so its load-balancing loss cannot be taken under pp; set "
-                             "output_router_logits=False")
+        logits = _logits_of(router, out, f"router {type(router).__name__}", "under pp")
         if self.rows > 1:
             logits = logits.repeat(self.rows, 1)
             out = (logits, *out[1:])
