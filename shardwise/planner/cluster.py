@@ -1,16 +1,20 @@
 """The machines a plan runs on: device memory, peak FLOP/s and link bandwidths.
 
-The table holds vendors' datasheet numbers (dense bf16 tensor FLOP/s, HBM size) and the
-bus bandwidth a ring collective reaches over NVLink inside a node and over the network
-between nodes (per GPU, one direction, bytes/s). Any of them can be overridden:
-`Cluster(gpus=64, device="h100", inter_node_bw=25e9)`.
+The table holds vendors' datasheet numbers (dense bf16 tensor and plain float32 FLOP/s, HBM
+size and bandwidth), the bus bandwidth a ring collective reaches over NVLink inside a node
+and over the network between nodes (per GPU, one direction, bytes/s), the latency of one
+collective step on each, and the one calibrated number: the fraction of the tensor-core peak
+a large matmul reaches in a training step (`gemm_efficiency`, fitted on part of
+bench/planner_published.py's corpus of published runs; the rest shows how it generalises).
+Any of the datasheet numbers can be overridden: `Cluster(gpus=64, device="h100",
+inter_node_bw=25e9)`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,15 +30,23 @@ class Device:
     peak_flops: float  # dense bf16 (the local CPU's: float32)
     intra_node_bw: float  # bytes/s per GPU inside a node (NVLink), one direction
     inter_node_bw: float  # bytes/s per GPU between nodes (InfiniBand / RoCE), one direction
+    fp32_flops: float = 0.0  # plain float32 (torch's default matmul precision, no TF32); 0: peak_flops
+    hbm_bw: float = 1e12  # bytes/s of device memory
+    gemm_efficiency: float = 0.6  # of the peak, a large matmul inside a training step (calibrated)
+    matmul_overhead: float = 0.0  # seconds a matmul costs beyond its FLOPs: launch, tail wave (calibrated)
+    intra_latency: float = 5e-6  # seconds per step of a collective inside a node
+    inter_latency: float = 15e-6  # ... between nodes
 
 
+# Link bandwidths are 80% of the link rate (NVLink per direction; the network's per-GPU NIC),
+# what nccl-tests' bus bandwidth reaches on large messages.
 DEVICES = {
-    "h100": Device("h100", 80 * GB, 989e12, 450 * GB, 50 * GB),
-    "h200": Device("h200", 141 * GB, 989e12, 450 * GB, 50 * GB),
-    "a100": Device("a100", 80 * GB, 312e12, 300 * GB, 25 * GB),
-    "b200": Device("b200", 192 * GB, 2250e12, 900 * GB, 50 * GB),
+    "h100": Device("h100", 80 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.62, 80e-6),
+    "h200": Device("h200", 141 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.62, 80e-6),
+    "a100": Device("a100", 80 * GB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.72, 80e-6),
+    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.62, 80e-6),
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
-    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB),
+    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 50e-6, 50e-6),
 }
 
 
@@ -51,6 +63,9 @@ class Cluster:
     peak_flops: float | None = None
     intra_node_bw: float | None = None
     inter_node_bw: float | None = None
+    hbm_bw: float | None = None
+    gemm_efficiency: float | None = None
+    matmul_overhead: float | None = None
     memory_fraction: float = 0.9
     spec: Device = field(init=False, repr=False, compare=False)
 
@@ -62,18 +77,19 @@ class Cluster:
             raise ConfigError(f"gpus={self.gpus!r} must be a positive integer")
         if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 1:
             raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} must be a positive integer")
-        overrides = {k: getattr(self, k) for k in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw")}
+        overrides = {k: getattr(self, k) for k in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "hbm_bw",
+                                                   "gemm_efficiency", "matmul_overhead")}
         for name, value in overrides.items():
-            if value is not None and not _positive(value):
+            if value is not None and not (_positive(value) or (name == "matmul_overhead" and value == 0)):
                 raise ConfigError(f"{name}={value!r} must be a positive finite number (or None for the "
                                   f"{self.device!r} table's value)")
+        if self.gemm_efficiency is not None and self.gemm_efficiency > 1:
+            raise ConfigError(f"gemm_efficiency={self.gemm_efficiency!r} is a fraction of the peak, at most 1")
         if not _positive(self.memory_fraction) or self.memory_fraction > 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]: the share of each "
                               "device's memory a run may use (0.9 leaves 10% to the runtime)")
         base = DEVICES[self.device]
-        spec = Device(base.name, *(base_value if overrides[k] is None else float(overrides[k])
-                                   for k, base_value in zip(overrides, (base.memory_bytes, base.peak_flops,
-                                                                        base.intra_node_bw, base.inter_node_bw))))
+        spec = replace(base, **{k: float(v) for k, v in overrides.items() if v is not None})
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         object.__setattr__(self, "spec", spec)
@@ -86,6 +102,17 @@ class Cluster:
         """Per-GPU bandwidth of a collective over ranks spanning `group_span` consecutive
         ranks (an array or a number): inside a node while they fit in one, else the network's."""
         return np.where(np.asarray(group_span) <= self.gpus_per_node, self.spec.intra_node_bw, self.spec.inter_node_bw)
+
+    def latency(self, group_span):
+        """Seconds per step of a collective over ranks spanning `group_span` consecutive ranks."""
+        return np.where(np.asarray(group_span) <= self.gpus_per_node, self.spec.intra_latency, self.spec.inter_latency)
+
+    def matmul_flops(self, param_bytes):
+        """FLOP/s a large matmul reaches in a step: the tensor-core peak for 2-byte dtypes,
+        plain float32's for 4 (torch leaves TF32 off for matmuls by default), times the
+        calibrated efficiency."""
+        fp32 = self.spec.fp32_flops or self.spec.peak_flops
+        return np.where(np.asarray(param_bytes) >= 4, fp32, self.spec.peak_flops) * self.spec.gemm_efficiency
 
     @classmethod
     def local(cls, ranks: int | None = None) -> "Cluster":

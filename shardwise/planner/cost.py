@@ -21,17 +21,9 @@ flight and the embedding, or the last, which keeps the logits):
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (the peak inside
   a step, measured by bench/planner.py's in-step peak).
 
-Time: compute (training FLOPs 6N + 6Lhs per token, + a forward under full recompute, over
-`EFFICIENCY` of peak), tensor-parallel collectives (4 per block and microbatch, 6 under
-full recompute; ring all-reduce moves 2(n-1)/n of the bytes, all-gather/reduce-scatter
-(n-1)/n), context-parallel K/V all-gathers (forward, backward re-gather, gradient
-reduce-scatter), expert-parallel all-to-alls (each token's top_k slots out and back, forward
-and backward, (ep-1)/ep of them to other ranks; experts whole on every tp rank, so their
-FLOPs count tp times on a rank unless sequence parallelism gives each its own tokens, and
-their states split over ep, ZeRO over dp·cp/ep), pipeline p2p on the critical path, the
-bubble (p-1)/(v*m) of the pipelined time (v = 1 for GPipe and 1F1B; a third of it for zero-bubble, whose split
-backward fills most of it), and the data-parallel gradient reduction (ZeRO-3: parameter
-all-gathers per microbatch too) beyond what overlaps the last backward.
+Time: planner/timing.py, term by term (compute as a roofline per matmul, α-β collectives,
+pipeline p2p per microbatch and the bubble, exposed data-parallel and ZeRO-3 traffic, the
+optimizer step).
 """
 
 from __future__ import annotations
@@ -46,14 +38,8 @@ from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
+from .timing import step_times
 
-# Fraction of peak FLOP/s a transformer block's matmuls reach at scale; calibrated so that
-# Llama 3 405B on 16,384 H100s in Meta's layout predicts its published 41% MFU within a few
-# points (bench/planner.py prints the comparison).
-EFFICIENCY = 0.62
-# Selective recompute reruns the elementwise ops of a block (norms, activations, rotary):
-# no FLOPs to speak of but memory-bound kernels; charged as this fraction of the block's forward.
-SELECTIVE_COST = 0.03
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
 FLOAT32 = 4
@@ -95,6 +81,7 @@ class Cost:
     pp_comm: np.ndarray
     bubble: np.ndarray
     dp_comm: np.ndarray
+    optimizer_step: np.ndarray
     model_flops: np.ndarray  # per step, all ranks, without recomputation
     # model states and one microbatch's activations at each end of the pipeline (equal at pp=1)
     states_first: np.ndarray
@@ -109,7 +96,7 @@ class Cost:
     @property
     def step_seconds(self) -> np.ndarray:
         return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble
-                + self.dp_comm)
+                + self.dp_comm + self.optimizer_step)
 
 
 def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1):
@@ -182,11 +169,6 @@ def in_flight(layout: Layout) -> np.ndarray:
     return np.where(p == 1, 1, held)
 
 
-def _ring(n, nbytes, bandwidth, factor):
-    """Seconds for a ring collective over n ranks moving factor*(n-1)/n of nbytes."""
-    return np.where(n > 1, factor * (n - 1) / n * nbytes / bandwidth, 0.0)
-
-
 @functools.lru_cache(maxsize=4096)
 def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[int, int]:
     """Blocks of the layer list on the first and on the last pipeline rank, as shardwise's
@@ -221,7 +203,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     """Predicted memory and step time of `layout` (arrays broadcast) for sequences of `seq_len`."""
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
     memory = _memory(spec, L, seq_len)
-    times = _step_times(spec, cluster, L, seq_len, memory)
+    times = step_times(spec, cluster, L, seq_len, memory)
     return Cost(memory.params, memory.grads, memory.adam, memory.activations, memory.buffers, *times,
                 sum(memory.first), sum(memory.last), memory.act_first, memory.act_last)
 
@@ -241,6 +223,8 @@ class _Memory:
     last: tuple
     act_first: np.ndarray
     act_last: np.ndarray
+    layers_first: np.ndarray  # blocks on the first and last pipeline ranks
+    layers_last: np.ndarray
 
 
 def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
@@ -284,48 +268,4 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     filling = np.where(L.zero >= 2, np.minimum((IN_FLIGHT + 1) * bucket, rank_bytes), 0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + filling
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
-                   first, last, act_first, act_last)
-
-
-def _step_times(spec: ModelSpec, cluster: Cluster, L: Layout, seq_len: int, memory: _Memory) -> tuple:
-    """Seconds per step by term (compute, recompute, tp, cp, pp, bubble, dp) and the model FLOPs."""
-    world = L.dp * L.tp * L.pp * L.cp
-    layers_here = np.ceil(spec.layers / L.pp)  # the busiest rank's blocks
-    sharded_l = spec.layer_params[0]
-    tokens = L.micro_batch * seq_len / L.cp
-    shards = L.dp * L.cp
-    bw = cluster.bandwidth
-    peak = cluster.spec.peak_flops
-    h = spec.hidden
-    tokens_step = L.dp * L.micro_batch * L.microbatches * seq_len  # the global batch
-    active = spec.active_expert_params
-    layer_flops_token = 6 * (sharded_l + active) + 6 * h * seq_len  # matmuls (+ causal attention, a token's experts)
-    flops_token = spec.layers * layer_flops_token + 6 * (spec.dense_params - spec.layers * (sharded_l + active))
-    model_flops = flops_token * tokens_step
-    expert_flops = spec.layers * 6 * active * tokens_step  # whole on every tp rank: computed tp times (once
-    compute = (model_flops + np.where(L.sp == 1, 0, L.tp - 1) * expert_flops) / world / (peak * EFFICIENCY)  # with sp)
-    layer_forward = spec.layers * layer_flops_token / 3 * tokens_step / world / (peak * EFFICIENCY)
-    recompute = np.select([L.recompute == 2, L.recompute == 1], [layer_forward, SELECTIVE_COST * layer_forward], 0.0)
-
-    act_bytes_layer = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
-    collectives = np.where(L.recompute == 2, 6, 4)
-    per_microbatch_tp = collectives * _ring(L.tp, act_bytes_layer, bw(L.tp), 2)
-    tp_comm = layers_here * L.microbatches * per_microbatch_tp
-    kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
-    cp_comm = layers_here * L.microbatches * 3 * _ring(L.cp, kv_bytes, bw(L.tp * L.cp), 1)
-    # experts: each token's top_k slots out and back in forward and again in backward, (ep-1)/ep of them off-rank;
-    # under sequence parallelism each tp rank routes its own shard of the tokens
-    slot_bytes = tokens * spec.top_k * h * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
-    ep_comm = layers_here * L.microbatches * 4 * _ring(L.ep, slot_bytes, bw(L.tp * L.cp * L.ep), 1) \
-        if spec.experts else np.zeros_like(tokens)
-    hop = act_bytes_layer / np.where(L.sp == 1, L.tp, 1) / bw(world)
-    pp_comm = np.where(L.pp > 1, 2 * (L.pp - 1) * L.virtual * hop, 0.0)
-    pipelined = compute + recompute + tp_comm + cp_comm
-    bubble_fraction = (L.pp - 1) / (L.virtual * L.microbatches) / np.where(L.schedule == 3, 3, 1)
-    bubble = pipelined * bubble_fraction
-    grad_bytes = np.maximum(memory.params_first, memory.params_last) * L.param_bytes
-    reduce = _ring(shards, grad_bytes, bw(world), 2)
-    gathers = np.where(L.zero == 3, 2 * L.microbatches * _ring(shards, grad_bytes, bw(world), 1), 0.0)
-    last_backward = (compute + recompute) * 2 / 3 / L.microbatches
-    dp_comm = np.maximum(reduce - last_backward, 0) + np.maximum(gathers - compute, 0)
-    return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, model_flops
+                   first, last, act_first, act_last, layers_first, layers_last)

@@ -12,7 +12,8 @@ MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "opt
                  "buffers": "buffers"}
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tp_comm": "tp collectives", "cp_comm": "cp K/V exchange",
                "ep_comm": "ep all-to-all",
-               "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "dp/ZeRO exposed"}
+               "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "dp/ZeRO exposed",
+               "optimizer_step": "optimizer step"}
 
 
 def table(result: "SearchResult") -> str:

@@ -35,7 +35,8 @@ VIRTUAL = (2, 4, 8)
 SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
 RECOMPUTE_NAMES = {code: name for name, code in RECOMPUTE_CODES.items()}
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
-TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm",
+              "optimizer_step")
 
 
 @dataclass

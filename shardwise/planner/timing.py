@@ -1,0 +1,166 @@
+"""The planner's time model: seconds per step of a layout, term by term, from the shapes.
+
+Compute is a roofline per matmul: 2mnk FLOPs at the device's calibrated matmul rate (the
+tensor-core peak for bf16, plain float32's for float32) or the operands' traffic at HBM
+speed, whichever is slower, so a narrow tp shard or a small microbatch costs what it costs.
+A block is its projections, its MLP (or its experts: the tokens' slots spread over the
+rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward) and the memory-bound
+elementwise work around them (norms, residuals, activation functions, rotary: ELEMENTWISE
+values per token and hidden unit, read and written). Backward is twice the forward.
+The busiest pipeline rank sets the pace: its blocks (as the stage balancer places them) and
+the head's matmul and cross-entropy on the last rank.
+
+Collectives are α-β: a step's latency per ring step (inside a node or between nodes) plus
+the bytes over the link's bandwidth. A data-parallel all-reduce takes the better of a ring
+(2(n-1) steps) and NCCL's tree (2 log2 n steps) at scale; all-gathers, reduce-scatters and
+all-to-alls are rings. Tensor-parallel collectives are not overlapped (4 per block and
+microbatch, 6 under full recompute); context-parallel K/V exchanges and expert all-to-alls
+neither. Pipeline p2p is paid per microbatch on each of a rank's boundaries, forward and
+backward, and again through the fill and drain. The bubble is (p-1)/(v·m) of the pipelined
+time (zero-bubble fills two thirds of it with deferred weight gradients). The gradient
+reduction overlaps the last microbatch's backward; ZeRO-3's per-block gathers (forward,
+backward) and gradient reduce-scatters overlap that block's compute, block by block, and
+the first block's gather of each pass is exposed. The optimizer step streams the rank's
+shard of parameters, gradients, moments and master weights through HBM once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cluster import Cluster
+from .model import ModelSpec
+
+# Values per token and hidden unit an elementwise op of a block reads or writes in forward:
+# two norms (read, write: 4), two residual adds (6), rotary on q and k (4), dropout-free
+# attention output handling (2); the MLP's activation adds 3 per MLP unit (below).
+ELEMENTWISE = 16
+MLP_ELEMENTWISE = 3
+# A collective overlapped with compute still slows it: NCCL's kernels take SMs and HBM
+# bandwidth from the matmuls they run beside (16-32 channels of an A100's 108 SMs). Charged
+# as this fraction of the overlapped time.
+OVERLAP_COST = 0.25
+
+
+def _gemm(cluster: Cluster, m, n, k, nbytes):
+    """Seconds of one (m x k) @ (k x n) matmul: the slower of its FLOPs and its traffic, plus
+    the device's fixed cost of a matmul (launch and the last, partly filled wave of tiles)."""
+    return np.maximum(2 * m * n * k / cluster.matmul_flops(nbytes),
+                      (m * k + k * n + m * n) * nbytes / cluster.spec.hbm_bw) + cluster.spec.matmul_overhead
+
+
+def _overlapped(comm, compute):
+    """Seconds `comm` adds to `compute` when they run side by side: what sticks out, and the
+    contention for the part that overlaps."""
+    return np.maximum(comm - compute, 0) + OVERLAP_COST * np.minimum(comm, compute)
+
+
+def ring(cluster: Cluster, n, nbytes, span, factor=1.0):
+    """A ring collective over n ranks spanning `span` consecutive ranks: (n-1) steps of
+    latency per unit of `factor` and factor*(n-1)/n of `nbytes` over the link."""
+    steps = factor * (n - 1)
+    return np.where(n > 1, steps * cluster.latency(span) + steps / n * nbytes / cluster.bandwidth(span), 0.0)
+
+
+def all_reduce(cluster: Cluster, n, nbytes, span):
+    """The faster of a ring and a tree (2 log2 n latency steps, 2x the bytes) all-reduce."""
+    tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * cluster.latency(span) + 2 * nbytes / cluster.bandwidth(span)
+    return np.where(n > 1, np.minimum(ring(cluster, n, nbytes, span, 2.0), tree), 0.0)
+
+
+def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
+    """(forward seconds of one block on one microbatch of `tokens` tokens on this rank, the
+    elementwise part of it): matmuls, attention, elementwise traffic."""
+    h, tp, nb = spec.hidden, L.tp, L.param_bytes
+    kv = spec.kv_heads * h / spec.heads
+    seq_shard = np.where((L.sp == 1) | (tp == 1), tp, 1)  # elementwise work outside the tp regions
+    time = _gemm(cluster, tokens, (h + 2 * kv) / tp, h, nb) + _gemm(cluster, tokens, h, h / tp, nb)
+    time = time + 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention's two matmuls
+    elementwise = ELEMENTWISE * tokens * h * nb / seq_shard
+    if spec.experts:
+        # each token's top_k slots; without sp every tp rank computes all of them (experts stay whole)
+        slots = tokens * spec.top_k / np.where(L.sp == 1, tp, 1)
+        local = spec.experts / L.ep
+        per_expert = slots / local  # balanced routing: a rank's own slots' worth lands on its experts
+        time = time + local * (_gemm(cluster, per_expert, 2 * spec.ffn, h, nb) + _gemm(cluster, per_expert, h, spec.ffn, nb))
+        elementwise = elementwise + MLP_ELEMENTWISE * slots * spec.ffn * nb
+    else:
+        ups = 2 if spec.mlp == "swiglu" else 1
+        time = time + _gemm(cluster, tokens, ups * spec.ffn / tp, h, nb) + _gemm(cluster, tokens, h, spec.ffn / tp, nb)
+        elementwise = elementwise + MLP_ELEMENTWISE * tokens * spec.ffn / tp * nb
+    elementwise = elementwise / cluster.spec.hbm_bw
+    return time + elementwise, elementwise
+
+
+def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
+    """Forward seconds of the head on one microbatch: the vocabulary matmul (sharded over tp)
+    and the cross-entropy's float32 passes over the logits."""
+    vocab = spec.vocab / L.tp
+    return _gemm(cluster, tokens, vocab, spec.hidden, L.param_bytes) + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw
+
+
+def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tuple:
+    """Seconds per step by term (compute, recompute, tp, cp, ep, pp, bubble, dp, optimizer step)
+    and the model FLOPs of the step (all ranks, no recomputation)."""
+    h = spec.hidden
+    layers_first, layers_last = memory.layers_first, memory.layers_last
+    world = L.dp * L.tp * L.pp * L.cp
+    shards = L.dp * L.cp
+    tokens = L.micro_batch * seq_len / L.cp  # one microbatch on this rank
+    tokens_step = L.dp * L.micro_batch * L.microbatches * seq_len  # the global batch
+
+    sharded_l, active = spec.layer_params[0], spec.active_expert_params
+    flops_token = spec.layers * (6 * (sharded_l + active) + 6 * h * seq_len) \
+        + 6 * (spec.dense_params - spec.layers * (sharded_l + active))
+    model_flops = flops_token * tokens_step
+
+    # the busiest pipeline rank's blocks per microbatch; the head on the last
+    middle = np.where(L.pp > 2, np.ceil((spec.layers - layers_first - layers_last) / np.maximum(L.pp - 2, 1)), 0)
+    block, elementwise = block_seconds(spec, cluster, L, tokens, seq_len)
+    head = head_seconds(spec, cluster, L, tokens)
+    first = layers_first * block + np.where(L.pp == 1, head, 0)
+    busiest_blocks = np.where(L.pp == 1, layers_first, np.maximum(np.maximum(layers_first, layers_last), middle))
+    stage = np.maximum(first, np.maximum(layers_last * block + head, middle * block))
+    compute = 3 * L.microbatches * stage
+    recompute = L.microbatches * busiest_blocks * np.select([L.recompute == 2, L.recompute == 1],
+                                                            [block, elementwise], 0.0)
+
+    act_bytes = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
+    collectives = np.where(L.recompute == 2, 6, 4)
+    tp_comm = busiest_blocks * L.microbatches * collectives * all_reduce(cluster, L.tp, act_bytes, L.tp)
+    kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
+    cp_comm = busiest_blocks * L.microbatches * 3 * ring(cluster, L.cp, kv_bytes, L.tp * L.cp)
+    if spec.experts:  # each slot out and back, forward and backward
+        slot_bytes = tokens * spec.top_k * h * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
+        ep_comm = busiest_blocks * L.microbatches * 4 * ring(cluster, L.ep, slot_bytes, L.tp * L.cp * L.ep)
+    else:
+        ep_comm = np.zeros_like(tokens)
+    hop_bytes = act_bytes / np.where(L.sp == 1, L.tp, 1)
+    hop = cluster.latency(world) + hop_bytes / cluster.bandwidth(world)  # stages are the outermost ranks
+    pp_comm = np.where(L.pp > 1, 2 * L.virtual * (L.microbatches + L.pp - 1) * hop, 0.0)
+
+    pipelined = compute + recompute + tp_comm + cp_comm + ep_comm
+    bubble = pipelined * (L.pp - 1) / (L.virtual * L.microbatches) / np.where(L.schedule == 3, 3, 1)
+
+    rank_params = np.maximum(memory.params_first, memory.params_last)
+    grad_bytes = rank_params * L.param_bytes
+    span = L.tp * shards
+    last_backward = 2 / 3 * (compute + recompute) / L.microbatches
+    # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter, then the parameters' all-gather)
+    reduce = np.where(L.zero == 0, all_reduce(cluster, shards, grad_bytes, span),
+                      2 * ring(cluster, shards, grad_bytes, span))
+    # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and a
+    # gradient reduce-scatter during its backward, each hidden behind that block's compute
+    block_bytes = grad_bytes / np.maximum(busiest_blocks, 1)
+    gather = ring(cluster, shards, block_bytes, span)
+    forward = block + recompute / np.maximum(L.microbatches * busiest_blocks, 1)
+    exposed3 = _overlapped(gather, forward) + _overlapped(2 * gather, 2 * block)
+    zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather)
+    dp_comm = np.where(L.zero == 3, zero3, _overlapped(reduce, last_backward))
+
+    # Adam on this rank's shard: parameters and gradients read, moments and float32 master
+    # weights read and written, parameters written
+    shard = rank_params / np.where(L.zero >= 1, shards, 1)
+    per_param = 3 * L.param_bytes + 16 + np.where(L.param_bytes >= 4, 0, 8)
+    optimizer_step = shard * per_param / cluster.spec.hbm_bw
+    return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
