@@ -1,0 +1,290 @@
+"""The planner against published training runs that nobody here made.
+
+Each run is a model, a cluster and the layout its authors used, with the step time they
+published (or what their tables give it from: FLOP/s per GPU with their FLOP count, tokens
+per second) and memory where they published it. For each the planner predicts the step
+time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among every layout
+the search would consider at the same degrees (dp, tp, pp, cp). Then, per model, the search's
+own best pick is checked against the best MFU anyone published for that model and device.
+
+The calibration part (`calibrate=True`: Megatron-LM's weak-scaling table on A100, Llama 3's
+8K layouts on H100) fixes each device's one fitted number, `gemm_efficiency`
+(shardwise/planner/cluster.py); the rest is held out and shows how the model generalises.
+`--fit` prints the efficiency that centres the calibration part's errors.
+
+Run: python bench/planner_published.py [--fit] [--no-search]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+import shardwise as sw
+from shardwise.planner import Cluster
+from shardwise.planner.cost import RECOMPUTE_CODES
+from shardwise.planner.cost import evaluate as evaluate_layouts
+from shardwise.planner.model import MODELS, ModelSpec, gpt2_like
+from shardwise.planner.search import _factorizations, _inner_grid, search
+
+GIB = 2.0 ** 30
+SOURCES = {
+    "megatron-t1": "Narayanan et al., SC21 (arXiv 2104.04473), Table 1: weak scaling, A100 80 GB, seq 2048, "
+                   "V 51200; step = eq. 3's FLOPs (with recompute) / (GPUs x achieved TFLOP/s)",
+    "megatron-t2": "Narayanan et al., SC21 (arXiv 2104.04473), Table 2: ZeRO-3 without model parallelism vs PTD-P, "
+                   "175B and 530B GPT; step as Table 1",
+    "korthikanti": "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5: end-to-end iteration time, "
+                   "full recompute vs sequence parallel + selective recompute, A100 80 GB",
+    "llama3": "Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 405B on H100, BF16 TFLOP/s per GPU; "
+              "step = the planner's model FLOPs (6N + causal attention) / (GPUs x TFLOP/s)",
+    "torchtitan": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP, H100 96 GB HBM2e at "
+                  "500 W, seq 8192; step = local batch x seq / TPS per GPU; memory as published",
+}
+
+
+def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
+    """Megatron's GPT: learned positions (2048), GELU MLP of 4h, LayerNorm, tied head, V 51200."""
+    return gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048)
+
+
+def megatron_flops(spec: ModelSpec, batch: int, seq: int) -> float:
+    """Narayanan et al.'s eq. 3: FLOPs per iteration with activation recomputation."""
+    h, layers = spec.hidden, spec.layers
+    return 96 * batch * seq * layers * h * h * (1 + seq / (6 * h) + spec.vocab / (16 * layers * h))
+
+
+@dataclass
+class Run:
+    """One published run: the layout its authors used and what they measured."""
+
+    name: str
+    source: str  # a key of SOURCES, and the row
+    row: str
+    spec: ModelSpec
+    cluster: Cluster
+    seq: int
+    global_batch: int
+    config: dict
+    micro_batch: int
+    published_step: float | None = None  # seconds, when published directly
+    tflops: float | None = None  # achieved TFLOP/s per GPU, when that is what was published
+    tokens_per_gpu: float | None = None  # tokens/s per GPU
+    memory_gib: float | None = None
+    calibrate: bool = False
+    virtual: int = 1
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def step_seconds(self, model_flops: float) -> float:
+        """The published step time, in seconds."""
+        if self.published_step is not None:
+            return self.published_step
+        if self.tokens_per_gpu is not None:
+            return self.global_batch * self.seq / (self.tokens_per_gpu * self.cluster.gpus)
+        flops = megatron_flops(self.spec, self.global_batch, self.seq) if self.source.startswith("megatron") \
+            else model_flops
+        return flops / (self.cluster.gpus * self.tflops * 1e12)
+
+
+def corpus() -> list[Run]:
+    runs = []
+    a100 = lambda gpus: Cluster(gpus, device="a100")  # noqa: E731  Selene: DGX A100 80 GB, 8 x 200 Gb/s HDR per node
+    # Megatron Table 1: (billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU). Full recompute
+    # (eq. 3 counts it), no ZeRO, no sequence parallelism (2021). The microbatch size and schedule are not in the
+    # table: one sequence per microbatch and 1F1B assumed.
+    for b, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
+            (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)):
+        dp = gpus // (tp * pp)
+        runs.append(Run(f"megatron {b}B tp{tp} pp{pp} x{gpus}", "megatron-t1", f"{b}B row",
+                        megatron_gpt(b, heads, hidden, layers), a100(gpus), 2048, batch,
+                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp), 1, tflops=tflops,
+                        calibrate=True, notes="microbatch 1 and 1F1B assumed"))
+    # Megatron Table 2: ZeRO-3 (DeepSpeed) without model parallelism, and PTD-P (tp8, pp12 / pp35), full recompute.
+    gpt175, gpt530 = megatron_gpt(174.6, 96, 12288, 96), megatron_gpt(529.6, 128, 20480, 105)
+    for spec, batch, gpus, micro, tflops in ((gpt175, 1536, 384, 4, 144), (gpt175, 1536, 768, 2, 88),
+                                             (gpt175, 1536, 1536, 1, 44), (gpt530, 2560, 640, 4, 138),
+                                             (gpt530, 2240, 1120, 2, 98), (gpt530, 2240, 2240, 1, 48)):
+        runs.append(Run(f"megatron {spec.name} zero3 x{gpus}", "megatron-t2", f"ZeRO-3 {spec.name} {gpus} GPUs",
+                        spec, a100(gpus), 2048, batch,
+                        dict(dp=gpus, zero=3, recompute="full", microbatches=batch // gpus // micro), micro,
+                        tflops=tflops))
+    for spec, pp, batch, gpus, tflops in ((gpt175, 12, 1536, 384, 153), (gpt175, 12, 1536, 768, 149),
+                                          (gpt175, 12, 1536, 1536, 141), (gpt530, 35, 2240, 560, 171),
+                                          (gpt530, 35, 2240, 1120, 167), (gpt530, 35, 2240, 2240, 159)):
+        dp = gpus // (8 * pp)
+        runs.append(Run(f"megatron {spec.name} tp8 pp{pp} x{gpus}", "megatron-t2", f"PTD-P {spec.name} {gpus} GPUs",
+                        spec, a100(gpus), 2048, batch,
+                        dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1, tflops=tflops,
+                        notes="1F1B assumed"))
+    # Korthikanti et al.: tp8, one sequence per microbatch, dp 1; full recompute vs sp + selective.
+    for b, heads, hidden, layers, pp, gpus, batch, full, present in (
+            (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
+            (530, 128, 20480, 105, 35, 280, 280, 49.05, 37.83), (1000, 160, 25600, 128, 64, 512, 512, 94.42, 71.49)):
+        spec = megatron_gpt(b, heads, hidden, layers)
+        for label, step, extra in (("full recompute", full, dict(recompute="full")),
+                                   ("sp + selective", present, dict(recompute="selective", sequence_parallel=True))):
+            runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
+                            dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1, published_step=step,
+                            notes="1F1B assumed"))
+    # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here),
+    # sequence parallel tp, no activation checkpointing at 8K; one sequence per microbatch assumed.
+    h100 = lambda gpus: Cluster(gpus, device="h100")  # noqa: E731
+    for gpus, seq, cp, dp, per_dp, tflops, held_out in ((8192, 8192, 1, 64, 32, 430, False),
+                                                         (16384, 8192, 1, 128, 16, 400, False),
+                                                         (16384, 131072, 16, 8, 16, 380, True)):
+        runs.append(Run(f"llama3 405B x{gpus} seq {seq}", "llama3", f"{gpus} GPUs seq {seq}", MODELS["llama3-405b"],
+                        h100(gpus), seq, dp * per_dp,
+                        dict(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, microbatches=per_dp,
+                             schedule="interleaved-1f1b"), 1, tflops=tflops, calibrate=not held_out, virtual=4,
+                        notes="ZeRO-2, interleaved v4, no recompute assumed (Meta's pipeline schedule is its own)"))
+    # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3), local batch 2, seq 8192, selective AC, bf16 rows only (float8 is not
+    # in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by torchtitan's own note).
+    # Its peak is "between SXM and NVL" (989 and 835 TFLOP/s): the midpoint.
+    titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
+    for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
+                                     (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
+        runs.append(Run(f"torchtitan 8B fsdp{gpus} {label}", "torchtitan", f"Table {1 if gpus == 8 else 3} {label}",
+                        MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
+                        dict(dp=gpus, zero=3, recompute="selective", microbatches=1), 2, tokens_per_gpu=tps,
+                        memory_gib=memory))
+    return runs
+
+
+def predict(run: Run, cluster: Cluster | None = None):
+    """The planner's Candidate for the run's own layout."""
+    config = sw.ParallelConfig(param_dtype=torch.bfloat16, **run.config)
+    return sw.plan.evaluate(run.spec, cluster or run.cluster, config, seq_len=run.seq, global_batch=run.global_batch,
+                            virtual=run.virtual)
+
+
+def _per_token(spec: ModelSpec, cluster: Cluster, seq: int, grid) -> np.ndarray:
+    """Predicted seconds per sequence of every layout in `grid` that fits (inf where not)."""
+    cost = evaluate_layouts(spec, cluster, grid, seq)
+    return np.where(cost.memory <= cluster.usable_bytes, cost.step_seconds / (grid.dp * grid.micro_batch
+                                                                               * grid.microbatches), np.inf)
+
+
+def ranks(run: Run, mine: float) -> list[tuple[int, int]]:
+    """Where the run's predicted seconds per sequence stand among the bf16 layouts the search
+    considers for its batch, as (position, fitting layouts), 1 = the fastest: at its degrees
+    dp, tp, pp, cp with its own recompute and sequence parallelism (what its software had);
+    at its degrees; over every factorization of its GPUs."""
+    c = sw.ParallelConfig(**run.config).resolve(run.cluster.gpus)
+    mine = mine / run.global_batch * (1 - 1e-9)
+    own = (RECOMPUTE_CODES[c.recompute], int(c.sequence_parallel))
+    out = []
+    for groups, same in (([(c.dp, c.tp, c.pp, c.cp)], True), ([(c.dp, c.tp, c.pp, c.cp)], False),
+                         (_factorizations(run.spec, run.cluster, run.seq, True), False)):
+        times = []
+        for dp, tp, pp, cp in groups:
+            if run.global_batch % dp == 0:
+                grid = _inner_grid(dp, tp, pp, cp, run.global_batch // dp, run.spec.layers, (2,))
+                if grid is not None:
+                    per_token = _per_token(run.spec, run.cluster, run.seq, grid)
+                    if same:
+                        per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)
+                    times.append(per_token)
+        times = np.concatenate(times) if times else np.array([])
+        fitting = times[np.isfinite(times)]
+        out.append((int((fitting < mine).sum()) + 1, int(fitting.size)))
+    return out
+
+
+def _calibration_error(runs: list[Run], **device) -> float:
+    """Root-mean-square log error of the runs' predicted step times with `device` overrides."""
+    logs = []
+    for r in runs:
+        got = predict(r, replace(r.cluster, **device))
+        logs.append(np.log(got.step_seconds / r.step_seconds(got.model_flops)) ** 2)
+    return float(np.sqrt(np.mean(logs)))
+
+
+def fit(runs: list[Run], device: str, overheads=(None,)) -> tuple[float, float | None, float]:
+    """(gemm_efficiency, matmul_overhead, rms log error) that fit the calibration part on
+    `device` best: a golden-section search over the efficiency for each overhead tried."""
+    chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
+    best = None
+    for overhead in overheads:
+        extra = {} if overhead is None else {"matmul_overhead": overhead}
+        lo, hi = 0.3, 1.0
+        for _ in range(30):
+            a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+            if _calibration_error(chosen, gemm_efficiency=a, **extra) < _calibration_error(chosen, gemm_efficiency=b,
+                                                                                             **extra):
+                hi = b
+            else:
+                lo = a
+        efficiency = (lo + hi) / 2
+        error = _calibration_error(chosen, gemm_efficiency=efficiency, **extra)
+        if best is None or error < best[2]:
+            best = (efficiency, overhead, error)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fit", action="store_true", help="print the calibration part's best gemm_efficiency")
+    parser.add_argument("--no-search", action="store_true", help="skip the per-model search (MFU ceiling)")
+    args = parser.parse_args()
+    runs = corpus()
+    if args.fit:  # the matmul overhead from the A100 table's ten sizes; the H100's two runs fit the efficiency only
+        efficiency, overhead, error = fit(runs, "a100", [i * 10e-6 for i in range(21)])
+        print(f"a100: gemm_efficiency {efficiency:.3f}, matmul_overhead {overhead * 1e6:.0f} us (rms log error "
+              f"{error:.3f}); the table has {sw.planner.DEVICES['a100'].gemm_efficiency:.3f}, "
+              f"{sw.planner.DEVICES['a100'].matmul_overhead * 1e6:.0f} us")
+        efficiency, _, error = fit(runs, "h100")
+        print(f"h100: gemm_efficiency {efficiency:.3f} (rms log error {error:.3f}); the table has "
+              f"{sw.planner.DEVICES['h100'].gemm_efficiency:.3f}")
+    print(f"{'run':<42} {'part':<5} {'pub s':>8} {'pred s':>8} {'err':>7} {'pub MFU':>7} {'fits':>4} "
+          f"{'mem GiB':>8} {'pub':>6} {'own':>9} {'degree':>6} {'all':>6}")
+    errors: dict[str, list[float]] = {"calibration": [], "held out": []}
+    memory_errors, best_mfu, worst = [], {}, [0.0, 0.0, 0.0]
+    for r in runs:
+        got = predict(r)
+        published = r.step_seconds(got.model_flops)
+        error = got.step_seconds / published - 1
+        errors["calibration" if r.calibrate else "held out"].append(error)
+        mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
+        key = (r.spec.name, r.cluster.device)
+        best_mfu[key] = max(best_mfu.get(key, 0.0), mfu)
+        placed = ranks(r, got.step_seconds)
+        shares = [position / max(fitting, 1) for position, fitting in placed]
+        worst = [max(a, b) for a, b in zip(worst, shares)]
+        memory = f"{r.memory_gib:>6.1f}" if r.memory_gib else f"{'':>6}"
+        if r.memory_gib:
+            memory_errors.append(got.memory / GIB / r.memory_gib - 1)
+        print(f"{r.name:<42} {'cal' if r.calibrate else 'held':<5} {published:>8.3f} {got.step_seconds:>8.3f} "
+              f"{error:>+7.1%} {mfu:>7.1%} {'yes' if got.fits else 'NO':>4} {got.memory / GIB:>8.1f} {memory} "
+              f"{placed[0][0]:>4}/{placed[0][1]:<4} {shares[1]:>6.1%} {shares[2]:>6.1%}")
+    for part, values in (*errors.items(), ("all", errors["calibration"] + errors["held out"])):
+        magnitudes = [abs(e) for e in values]
+        print(f"step time, {part}: median |error| {statistics.median(magnitudes):.1%}, max {max(magnitudes):.1%} "
+              f"over {len(values)} runs (signed median {statistics.median(values):+.1%})")
+    if memory_errors:
+        print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
+    print(f"worst rank of a published layout among the fitting layouts at its degrees with its own recompute and sp: "
+          f"top {worst[0]:.1%}; at its degrees: top {worst[1]:.1%}; over all degrees: top {worst[2]:.1%}")
+    if args.no_search:
+        return
+    print("\nthe search's best pick per run against the best published MFU for its model and device:")
+    for r in runs:
+        best = search(r.spec, r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1, dtypes=(2,))
+        if not best:
+            print(f"  {r.name:<42} nothing fits")
+            continue
+        published = best_mfu[(r.spec.name, r.cluster.device)]
+        print(f"  {r.name:<42} {best[0].layout():<66} MFU {best[0].mfu:6.1%} vs published best {published:6.1%} "
+              f"({(best[0].mfu - published) * 100:+.1f} points)")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
