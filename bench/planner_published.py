@@ -7,10 +7,12 @@ time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among ev
 the search would consider at the same degrees (dp, tp, pp, cp). Then, per model, the search's
 own best pick is checked against the best MFU anyone published for that model and device.
 
-The calibration part (`calibrate=True`: Megatron-LM's weak-scaling table on A100, Llama 3's
-8K layouts on H100) fixes each device's one fitted number, `gemm_efficiency`
-(shardwise/planner/cluster.py); the rest is held out and shows how the model generalises.
-`--fit` prints the efficiency that centres the calibration part's errors.
+The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-scaling table,
+every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
+runs) fixes the planner's fitted numbers (shardwise/planner/cluster.py: each device's
+`gemm_efficiency`, the shared `matmul_overhead` and `elementwise`); the other 39 are held
+out and show how the model generalises to other sizes, layouts and executors. `--fit`
+prints the numbers that fit the calibration part best.
 
 Run: python bench/planner_published.py [--fit] [--no-search]
 """
@@ -32,6 +34,7 @@ from shardwise.planner.model import MODELS, ModelSpec, gpt2_like
 from shardwise.planner.search import _factorizations, _inner_grid, search
 
 GIB = 2.0 ** 30
+SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 SOURCES = {
     "megatron-t1": "Narayanan et al., SC21 (arXiv 2104.04473), Table 1: weak scaling, A100 80 GB, seq 2048, "
                    "V 51200; step = eq. 3's FLOPs (with recompute) / (GPUs x achieved TFLOP/s)",
@@ -41,6 +44,8 @@ SOURCES = {
                    "full recompute vs sequence parallel + selective recompute, A100 80 GB",
     "llama3": "Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 405B on H100, BF16 TFLOP/s per GPU; "
               "step = the planner's model FLOPs (6N + causal attention) / (GPUs x TFLOP/s)",
+    "llm-foundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7): MPT 125M-70B with "
+                   "FSDP FULL_SHARD, flash attention, bf16; step = global batch tokens / (tokens/s per GPU x GPUs)",
     "torchtitan": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP, H100 96 GB HBM2e at "
                   "500 W, seq 8192; step = local batch x seq / TPS per GPU; memory as published",
 }
@@ -106,7 +111,7 @@ def corpus() -> list[Run]:
         runs.append(Run(f"megatron {b}B tp{tp} pp{pp} x{gpus}", "megatron-t1", f"{b}B row",
                         megatron_gpt(b, heads, hidden, layers), a100(gpus), 2048, batch,
                         dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp), 1, tflops=tflops,
-                        calibrate=True, notes="microbatch 1 and 1F1B assumed"))
+                        calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), notes="microbatch 1 and 1F1B assumed"))
     # Megatron Table 2: ZeRO-3 (DeepSpeed) without model parallelism, and PTD-P (tp8, pp12 / pp35), full recompute.
     gpt175, gpt530 = megatron_gpt(174.6, 96, 12288, 96), megatron_gpt(529.6, 128, 20480, 105)
     for spec, batch, gpus, micro, tflops in ((gpt175, 1536, 384, 4, 144), (gpt175, 1536, 768, 2, 88),
@@ -155,6 +160,33 @@ def corpus() -> list[Run]:
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
                         dict(dp=gpus, zero=3, recompute="selective", microbatches=1), 2, tokens_per_gpu=tps,
                         memory_gib=memory))
+    # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
+    # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute. Rows at 2048 tokens
+    # (and two at 8192), one per model size and device. Every other size calibrates (the H100's with Llama 3's
+    # two 8K runs), the rest are held out.
+    mpt = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+           "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+           "70b": (8192, 64, 80)}
+    calibrating = {("a100", "125m", 2048), ("a100", "760m", 2048), ("a100", "3b", 2048), ("a100", "13b", 2048),
+                   ("a100", "30b", 2048), ("a100", "7b", 8192), ("h100", "1b", 2048), ("h100", "7b", 2048),
+                   ("h100", "30b", 2048)}
+    for device, size, seq, gpus, micro, accum, checkpointing, tokens_per_gpu in (
+            ("a100", "125m", 2048, 8, 40, 2, False, 142830), ("a100", "350m", 2048, 8, 32, 2, False, 58782),
+            ("a100", "760m", 2048, 8, 24, 2, False, 32434), ("a100", "1b", 2048, 8, 14, 4, False, 20513),
+            ("a100", "3b", 2048, 8, 10, 2, False, 10811), ("a100", "7b", 2048, 8, 6, 2, False, 4641),
+            ("a100", "13b", 2048, 8, 2, 3, False, 2262), ("a100", "30b", 2048, 8, 3, 21, True, 916),
+            ("a100", "70b", 2048, 64, 8, 4, True, 410), ("a100", "7b", 8192, 8, 8, 2, True, 3206),
+            ("a100", "13b", 8192, 8, 5, 3, True, 1795),
+            ("h100", "1b", 2048, 8, 14, 1, False, 45455), ("h100", "3b", 2048, 16, 10, 3, False, 24142),
+            ("h100", "7b", 2048, 8, 6, 1, False, 10643), ("h100", "13b", 2048, 64, 2, 1, False, 4800),
+            ("h100", "30b", 2048, 8, 3, 21, True, 2002), ("h100", "70b", 2048, 64, 8, 4, True, 1039),
+            ("h100", "7b", 8192, 8, 8, 2, True, 6935)):
+        hidden, heads, layers = mpt[size]
+        spec = gpt2_like(f"mpt-{size}", layers, hidden, heads, 50368, seq)
+        runs.append(Run(f"mpt {size} {device} seq {seq} fsdp{gpus}", "llm-foundry", f"{device} {size} {seq} {gpus} GPUs",
+                        spec, Cluster(gpus, device=device), seq, micro * accum * gpus,
+                        dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum), micro,
+                        tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating))
     return runs
 
 
@@ -207,25 +239,35 @@ def _calibration_error(runs: list[Run], **device) -> float:
     return float(np.sqrt(np.mean(logs)))
 
 
-def fit(runs: list[Run], device: str, overheads=(None,)) -> tuple[float, float | None, float]:
-    """(gemm_efficiency, matmul_overhead, rms log error) that fit the calibration part on
-    `device` best: a golden-section search over the efficiency for each overhead tried."""
-    chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
+def _best_efficiency(runs: list[Run], **device) -> tuple[float, float]:
+    """(gemm_efficiency, rms log error) that fit `runs` best with the other `device` overrides:
+    a golden-section search."""
+    lo, hi = 0.3, 1.0
+    for _ in range(25):
+        a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        if _calibration_error(runs, gemm_efficiency=a, **device) < _calibration_error(runs, gemm_efficiency=b, **device):
+            hi = b
+        else:
+            lo = a
+    efficiency = (lo + hi) / 2
+    return efficiency, _calibration_error(runs, gemm_efficiency=efficiency, **device)
+
+
+def fit(runs: list[Run]) -> tuple[float, float, dict[str, float], float]:
+    """(elementwise, matmul_overhead, gemm_efficiency per device, rms log error) that fit the
+    calibration part best: a grid over the two shared numbers, each device's efficiency its best."""
+    devices = sorted({r.cluster.device for r in runs if r.calibrate})
     best = None
-    for overhead in overheads:
-        extra = {} if overhead is None else {"matmul_overhead": overhead}
-        lo, hi = 0.3, 1.0
-        for _ in range(30):
-            a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-            if _calibration_error(chosen, gemm_efficiency=a, **extra) < _calibration_error(chosen, gemm_efficiency=b,
-                                                                                             **extra):
-                hi = b
-            else:
-                lo = a
-        efficiency = (lo + hi) / 2
-        error = _calibration_error(chosen, gemm_efficiency=efficiency, **extra)
-        if best is None or error < best[2]:
-            best = (efficiency, overhead, error)
+    for elementwise in (16.0, 32.0, 48.0, 64.0):
+        for overhead in (0.0, 40e-6, 80e-6, 160e-6, 240e-6, 320e-6):
+            efficiencies, squares = {}, 0.0
+            for device in devices:
+                chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
+                efficiencies[device], error = _best_efficiency(chosen, elementwise=elementwise, matmul_overhead=overhead)
+                squares += error ** 2 * len(chosen)
+            error = float(np.sqrt(squares / sum(r.calibrate for r in runs)))
+            if best is None or error < best[-1]:
+                best = (elementwise, overhead, efficiencies, error)
     return best
 
 
@@ -235,26 +277,24 @@ def main() -> None:
     parser.add_argument("--no-search", action="store_true", help="skip the per-model search (MFU ceiling)")
     args = parser.parse_args()
     runs = corpus()
-    if args.fit:  # the matmul overhead from the A100 table's ten sizes; the H100's two runs fit the efficiency only
-        efficiency, overhead, error = fit(runs, "a100", [i * 10e-6 for i in range(21)])
-        print(f"a100: gemm_efficiency {efficiency:.3f}, matmul_overhead {overhead * 1e6:.0f} us (rms log error "
-              f"{error:.3f}); the table has {sw.planner.DEVICES['a100'].gemm_efficiency:.3f}, "
-              f"{sw.planner.DEVICES['a100'].matmul_overhead * 1e6:.0f} us")
-        efficiency, _, error = fit(runs, "h100")
-        print(f"h100: gemm_efficiency {efficiency:.3f} (rms log error {error:.3f}); the table has "
-              f"{sw.planner.DEVICES['h100'].gemm_efficiency:.3f}")
+    if args.fit:
+        elementwise, overhead, efficiencies, error = fit(runs)
+        print(f"fitted on the calibration part: elementwise {elementwise:.0f}, matmul_overhead {overhead * 1e6:.0f} us, "
+              + ", ".join(f"{d} gemm_efficiency {e:.3f}" for d, e in efficiencies.items())
+              + f" (rms log error {error:.3f}); the table has elementwise {sw.planner.DEVICES['a100'].elementwise:.0f}, "
+              f"matmul_overhead {sw.planner.DEVICES['a100'].matmul_overhead * 1e6:.0f} us, "
+              + ", ".join(f"{d} {sw.planner.DEVICES[d].gemm_efficiency:.3f}" for d in efficiencies))
     print(f"{'run':<42} {'part':<5} {'pub s':>8} {'pred s':>8} {'err':>7} {'pub MFU':>7} {'fits':>4} "
           f"{'mem GiB':>8} {'pub':>6} {'own':>9} {'degree':>6} {'all':>6}")
     errors: dict[str, list[float]] = {"calibration": [], "held out": []}
-    memory_errors, best_mfu, worst = [], {}, [0.0, 0.0, 0.0]
+    memory_errors, published_mfu, worst = [], [], [0.0, 0.0, 0.0]
     for r in runs:
         got = predict(r)
         published = r.step_seconds(got.model_flops)
         error = got.step_seconds / published - 1
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
-        key = (r.spec.name, r.cluster.device)
-        best_mfu[key] = max(best_mfu.get(key, 0.0), mfu)
+        published_mfu.append((r.cluster.device, r.spec.params, mfu))
         placed = ranks(r, got.step_seconds)
         shares = [position / max(fitting, 1) for position, fitting in placed]
         worst = [max(a, b) for a, b in zip(worst, shares)]
@@ -274,15 +314,21 @@ def main() -> None:
           f"top {worst[0]:.1%}; at its degrees: top {worst[1]:.1%}; over all degrees: top {worst[2]:.1%}")
     if args.no_search:
         return
-    print("\nthe search's best pick per run against the best published MFU for its model and device:")
+    print(f"\nthe search's best pick per run against the best MFU published on its device for a model of "
+          f"1/{SIZE_BAND:g}x to {SIZE_BAND:g}x its size:")
+    over = []
     for r in runs:
         best = search(r.spec, r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1, dtypes=(2,))
         if not best:
             print(f"  {r.name:<42} nothing fits")
             continue
-        published = best_mfu[(r.spec.name, r.cluster.device)]
-        print(f"  {r.name:<42} {best[0].layout():<66} MFU {best[0].mfu:6.1%} vs published best {published:6.1%} "
-              f"({(best[0].mfu - published) * 100:+.1f} points)")
+        published = max(m for device, params, m in published_mfu
+                         if device == r.cluster.device and 1 / SIZE_BAND <= params / r.spec.params <= SIZE_BAND)
+        gap = (best[0].mfu - published) * 100
+        over += [r.name] if gap > 5 else []
+        print(f"  {r.name:<42} {best[0].layout():<66} MFU {best[0].mfu:6.1%} vs published {published:6.1%} "
+              f"({gap:+.1f} points)")
+    print(f"{len(over)} of {len(runs)} picks more than 5 points above: {', '.join(over) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 The table holds vendors' datasheet numbers (dense bf16 tensor and plain float32 FLOP/s, HBM
 size and bandwidth), the bus bandwidth a ring collective reaches over NVLink inside a node
 and over the network between nodes (per GPU, one direction, bytes/s), the latency of one
-collective step on each, and the one calibrated number: the fraction of the tensor-core peak
-a large matmul reaches in a training step (`gemm_efficiency`, fitted on part of
-bench/planner_published.py's corpus of published runs; the rest shows how it generalises).
+collective step on each, and three calibrated numbers: the fraction of the tensor-core peak
+a large matmul reaches in a training step (`gemm_efficiency`, per device), a matmul's fixed
+cost (`matmul_overhead`) and the traffic of a block's elementwise ops (`elementwise`), fitted
+on part of bench/planner_published.py's corpus of published runs (the rest shows how they
+generalise).
 Any of the datasheet numbers can be overridden: `Cluster(gpus=64, device="h100",
 inter_node_bw=25e9)`.
 """
@@ -34,6 +36,7 @@ class Device:
     hbm_bw: float = 1e12  # bytes/s of device memory
     gemm_efficiency: float = 0.6  # of the peak, a large matmul inside a training step (calibrated)
     matmul_overhead: float = 0.0  # seconds a matmul costs beyond its FLOPs: launch, tail wave (calibrated)
+    elementwise: float = 48.0  # values per token and hidden unit a block's elementwise ops move (calibrated)
     intra_latency: float = 5e-6  # seconds per step of a collective inside a node
     inter_latency: float = 15e-6  # ... between nodes
 
@@ -41,12 +44,12 @@ class Device:
 # Link bandwidths are 80% of the link rate (NVLink per direction; the network's per-GPU NIC),
 # what nccl-tests' bus bandwidth reaches on large messages.
 DEVICES = {
-    "h100": Device("h100", 80 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.62, 80e-6),
-    "h200": Device("h200", 141 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.62, 80e-6),
-    "a100": Device("a100", 80 * GB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.72, 80e-6),
-    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.62, 80e-6),
+    "h100": Device("h100", 80 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.65, 40e-6),
+    "h200": Device("h200", 141 * GB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.65, 40e-6),  # the H100's chip
+    "a100": Device("a100", 80 * GB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.79, 40e-6),
+    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.65, 40e-6),  # no published run: H100's
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
-    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 50e-6, 50e-6),
+    "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
 }
 
 
@@ -66,6 +69,7 @@ class Cluster:
     hbm_bw: float | None = None
     gemm_efficiency: float | None = None
     matmul_overhead: float | None = None
+    elementwise: float | None = None
     memory_fraction: float = 0.9
     spec: Device = field(init=False, repr=False, compare=False)
 
@@ -78,7 +82,7 @@ class Cluster:
         if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 1:
             raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} must be a positive integer")
         overrides = {k: getattr(self, k) for k in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "hbm_bw",
-                                                   "gemm_efficiency", "matmul_overhead")}
+                                                   "gemm_efficiency", "matmul_overhead", "elementwise")}
         for name, value in overrides.items():
             if value is not None and not (_positive(value) or (name == "matmul_overhead" and value == 0)):
                 raise ConfigError(f"{name}={value!r} must be a positive finite number (or None for the "
@@ -98,10 +102,15 @@ class Cluster:
     def usable_bytes(self) -> float:
         return self.spec.memory_bytes * self.memory_fraction
 
-    def bandwidth(self, group_span):
-        """Per-GPU bandwidth of a collective over ranks spanning `group_span` consecutive
-        ranks (an array or a number): inside a node while they fit in one, else the network's."""
-        return np.where(np.asarray(group_span) <= self.gpus_per_node, self.spec.intra_node_bw, self.spec.inter_node_bw)
+    def bandwidth(self, group_span, members=1):
+        """Per-GPU bandwidth of a collective over `members` ranks spanning `group_span`
+        consecutive ranks (arrays or numbers): NVLink's while they fit in a node; across nodes
+        the network's, times the group's members in each node (NCCL runs a ring per NIC, so a
+        node's members share the cross-node bytes over their NICs), at most NVLink's."""
+        span, members = np.asarray(group_span), np.asarray(members)
+        per_node = np.maximum(members * self.gpus_per_node / np.maximum(span, 1), 1)
+        across = np.minimum(self.spec.inter_node_bw * per_node, self.spec.intra_node_bw)
+        return np.where(span <= self.gpus_per_node, self.spec.intra_node_bw, across)
 
     def latency(self, group_span):
         """Seconds per step of a collective over ranks spanning `group_span` consecutive ranks."""

@@ -4,14 +4,15 @@ Compute is a roofline per matmul: 2mnk FLOPs at the device's calibrated matmul r
 tensor-core peak for bf16, plain float32's for float32) or the operands' traffic at HBM
 speed, whichever is slower, so a narrow tp shard or a small microbatch costs what it costs.
 A block is its projections, its MLP (or its experts: the tokens' slots spread over the
-rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward) and the memory-bound
-elementwise work around them (norms, residuals, activation functions, rotary: ELEMENTWISE
-values per token and hidden unit, read and written). Backward is twice the forward.
+rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward, at flash attention's
+rate) and the memory-bound elementwise work around them (norms, residuals, activation
+functions, rotary: the device table's `elementwise` values per token and hidden unit). Backward is twice the forward.
 The busiest pipeline rank sets the pace: its blocks (as the stage balancer places them) and
 the head's matmul and cross-entropy on the last rank.
 
 Collectives are α-β: a step's latency per ring step (inside a node or between nodes) plus
-the bytes over the link's bandwidth. A data-parallel all-reduce takes the better of a ring
+the bytes over the link's bandwidth (across nodes, one NIC's rate per member of the group in
+a node: NCCL runs a ring per NIC; `Cluster.bandwidth`). A data-parallel all-reduce takes the better of a ring
 (2(n-1) steps) and NCCL's tree (2 log2 n steps) at scale; all-gathers, reduce-scatters and
 all-to-alls are rings. Tensor-parallel collectives are not overlapped (4 per block and
 microbatch, 6 under full recompute); context-parallel K/V exchanges and expert all-to-alls
@@ -31,15 +32,19 @@ import numpy as np
 from .cluster import Cluster
 from .model import ModelSpec
 
-# Values per token and hidden unit an elementwise op of a block reads or writes in forward:
-# two norms (read, write: 4), two residual adds (6), rotary on q and k (4), dropout-free
-# attention output handling (2); the MLP's activation adds 3 per MLP unit (below).
-ELEMENTWISE = 16
-MLP_ELEMENTWISE = 3
+# The elementwise traffic of a block per token in forward: the device table's `elementwise`
+# values per hidden unit (norms, residual adds, rotary, casts: fitted, 48 for eager PyTorch)
+# and this share of it per MLP unit (the activation function's read, read, write: 3 of 16).
+MLP_ELEMENTWISE = 3 / 16
 # A collective overlapped with compute still slows it: NCCL's kernels take SMs and HBM
 # bandwidth from the matmuls they run beside (16-32 channels of an A100's 108 SMs). Charged
 # as this fraction of the overlapped time.
 OVERLAP_COST = 0.25
+# Flash attention against a matmul of its FLOPs: its forward runs near matmul efficiency, its
+# backward does 2.5x the forward's FLOPs (it recomputes the scores) at about 0.7 of the
+# forward's rate (FlashAttention-2, arXiv 2307.08691): (1 + 2.5 / 0.7) / 3 of a matmul's time
+# for the 3x-forward FLOPs the model counts.
+ATTENTION = (1 + 2.5 / 0.7) / 3
 
 
 def _gemm(cluster: Cluster, m, n, k, nbytes):
@@ -59,12 +64,12 @@ def ring(cluster: Cluster, n, nbytes, span, factor=1.0):
     """A ring collective over n ranks spanning `span` consecutive ranks: (n-1) steps of
     latency per unit of `factor` and factor*(n-1)/n of `nbytes` over the link."""
     steps = factor * (n - 1)
-    return np.where(n > 1, steps * cluster.latency(span) + steps / n * nbytes / cluster.bandwidth(span), 0.0)
+    return np.where(n > 1, steps * cluster.latency(span) + steps / n * nbytes / cluster.bandwidth(span, n), 0.0)
 
 
 def all_reduce(cluster: Cluster, n, nbytes, span):
     """The faster of a ring and a tree (2 log2 n latency steps, 2x the bytes) all-reduce."""
-    tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * cluster.latency(span) + 2 * nbytes / cluster.bandwidth(span)
+    tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * cluster.latency(span) + 2 * nbytes / cluster.bandwidth(span, n)
     return np.where(n > 1, np.minimum(ring(cluster, n, nbytes, span, 2.0), tree), 0.0)
 
 
@@ -75,19 +80,20 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     kv = spec.kv_heads * h / spec.heads
     seq_shard = np.where((L.sp == 1) | (tp == 1), tp, 1)  # elementwise work outside the tp regions
     time = _gemm(cluster, tokens, (h + 2 * kv) / tp, h, nb) + _gemm(cluster, tokens, h, h / tp, nb)
-    time = time + 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention's two matmuls
-    elementwise = ELEMENTWISE * tokens * h * nb / seq_shard
+    time = time + ATTENTION * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention
+    per_unit = cluster.spec.elementwise
+    elementwise = per_unit * tokens * h * nb / seq_shard
     if spec.experts:
         # each token's top_k slots; without sp every tp rank computes all of them (experts stay whole)
         slots = tokens * spec.top_k / np.where(L.sp == 1, tp, 1)
         local = spec.experts / L.ep
         per_expert = slots / local  # balanced routing: a rank's own slots' worth lands on its experts
         time = time + local * (_gemm(cluster, per_expert, 2 * spec.ffn, h, nb) + _gemm(cluster, per_expert, h, spec.ffn, nb))
-        elementwise = elementwise + MLP_ELEMENTWISE * slots * spec.ffn * nb
+        elementwise = elementwise + MLP_ELEMENTWISE * per_unit * slots * spec.ffn * nb
     else:
         ups = 2 if spec.mlp == "swiglu" else 1
         time = time + _gemm(cluster, tokens, ups * spec.ffn / tp, h, nb) + _gemm(cluster, tokens, h, spec.ffn / tp, nb)
-        elementwise = elementwise + MLP_ELEMENTWISE * tokens * spec.ffn / tp * nb
+        elementwise = elementwise + MLP_ELEMENTWISE * per_unit * tokens * spec.ffn / tp * nb
     elementwise = elementwise / cluster.spec.hbm_bw
     return time + elementwise, elementwise
 
