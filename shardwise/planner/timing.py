@@ -18,7 +18,7 @@ all-to-alls are rings. Tensor-parallel collectives are not overlapped (4 per blo
 microbatch, 6 under full recompute); context-parallel K/V exchanges and expert all-to-alls
 neither. Pipeline p2p is paid per microbatch on each of a rank's boundaries, forward and
 backward, and again through the fill and drain. The bubble is (p-1)/(v·m) of the pipelined
-time (zero-bubble fills two thirds of it with deferred weight gradients). The gradient
+time (zero-bubble fills part of it with deferred weight gradients: `zero_bubble_share`). The gradient
 reduction overlaps the last microbatch's backward; ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed. The optimizer step streams the rank's
@@ -75,12 +75,13 @@ def all_reduce(cluster: Cluster, n, nbytes, span):
 
 def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     """(forward seconds of one block on one microbatch of `tokens` tokens on this rank, the
-    elementwise part of it): matmuls, attention, elementwise traffic."""
+    elementwise part of it, the linear layers' matmuls of it): matmuls, attention, elementwise
+    traffic."""
     h, tp, nb = spec.hidden, L.tp, L.param_bytes
     kv = spec.kv_heads * h / spec.heads
     seq_shard = np.where((L.sp == 1) | (tp == 1), tp, 1)  # elementwise work outside the tp regions
     time = _gemm(cluster, tokens, (h + 2 * kv) / tp, h, nb) + _gemm(cluster, tokens, h, h / tp, nb)
-    time = time + ATTENTION * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention
+    attention = ATTENTION * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention
     per_unit = cluster.spec.elementwise
     elementwise = per_unit * tokens * h * nb / seq_shard
     if spec.experts:
@@ -95,7 +96,7 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
         time = time + _gemm(cluster, tokens, ups * spec.ffn / tp, h, nb) + _gemm(cluster, tokens, h, spec.ffn / tp, nb)
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * tokens * spec.ffn / tp * nb
     elementwise = elementwise / cluster.spec.hbm_bw
-    return time + elementwise, elementwise
+    return time + attention + elementwise, elementwise, time
 
 
 def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
@@ -103,6 +104,16 @@ def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
     and the cross-entropy's float32 passes over the logits."""
     vocab = spec.vocab / L.tp
     return _gemm(cluster, tokens, vocab, spec.hidden, L.param_bytes) + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw
+
+
+def zero_bubble_share(weight_share):
+    """The share of 1F1B's bubble a zero-bubble schedule leaves: ZB-H1 (arXiv 2401.10241), what
+    torch's ScheduleInterleavedZeroBubble orders, leaves (p-1)(F + I - W) of 1F1B's (p-1)(F + I
+    + W), with F a forward, I the input backward and W the weight backward of a stage. W is one
+    matmul per linear layer, `weight_share` of the forward; I the rest of the backward (twice
+    the forward): (3 - 2 w) / 3 of it. A third when everything is a linear layer (torch's own
+    order with equal times, tests/test_planner_time.py); more with attention and elementwise work."""
+    return (3 - 2 * np.asarray(weight_share)) / 3
 
 
 def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tuple:
@@ -122,7 +133,7 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
 
     # the busiest pipeline rank's blocks per microbatch; the head on the last
     middle = np.where(L.pp > 2, np.ceil((spec.layers - layers_first - layers_last) / np.maximum(L.pp - 2, 1)), 0)
-    block, elementwise = block_seconds(spec, cluster, L, tokens, seq_len)
+    block, elementwise, linear = block_seconds(spec, cluster, L, tokens, seq_len)
     head = head_seconds(spec, cluster, L, tokens)
     first = layers_first * block + np.where(L.pp == 1, head, 0)
     busiest_blocks = np.where(L.pp == 1, layers_first, np.maximum(np.maximum(layers_first, layers_last), middle))
@@ -146,7 +157,8 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     pp_comm = np.where(L.pp > 1, 2 * L.virtual * (L.microbatches + L.pp - 1) * hop, 0.0)
 
     pipelined = compute + recompute + tp_comm + cp_comm + ep_comm
-    bubble = pipelined * (L.pp - 1) / (L.virtual * L.microbatches) / np.where(L.schedule == 3, 3, 1)
+    bubble = pipelined * (L.pp - 1) / (L.virtual * L.microbatches) * np.where(L.schedule == 3,
+                                                                              zero_bubble_share(linear / block), 1)
 
     rank_params = np.maximum(memory.params_first, memory.params_last)
     grad_bytes = rank_params * L.param_bytes
