@@ -34,6 +34,7 @@ from shardwise.planner.model import MODELS, ModelSpec, gpt2_like
 from shardwise.planner.search import _factorizations, _inner_grid, search
 
 GIB = 2.0 ** 30
+FP32 = torch.float32
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 SOURCES = {
     "megatron-t1": "Narayanan et al., SC21 (arXiv 2104.04473), Table 1: weak scaling, A100 80 GB, seq 2048, "
@@ -110,8 +111,8 @@ def corpus() -> list[Run]:
         dp = gpus // (tp * pp)
         runs.append(Run(f"megatron {b}B tp{tp} pp{pp} x{gpus}", "megatron-t1", f"{b}B row",
                         megatron_gpt(b, heads, hidden, layers), a100(gpus), 2048, batch,
-                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp), 1, tflops=tflops,
-                        calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), notes="microbatch 1 and 1F1B assumed"))
+                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp), 1,
+                        tflops=tflops, calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), notes="microbatch 1 and 1F1B assumed"))
     # Megatron Table 2: ZeRO-3 (DeepSpeed) without model parallelism, and PTD-P (tp8, pp12 / pp35), full recompute.
     gpt175, gpt530 = megatron_gpt(174.6, 96, 12288, 96), megatron_gpt(529.6, 128, 20480, 105)
     for spec, batch, gpus, micro, tflops in ((gpt175, 1536, 384, 4, 144), (gpt175, 1536, 768, 2, 88),
@@ -127,8 +128,8 @@ def corpus() -> list[Run]:
         dp = gpus // (8 * pp)
         runs.append(Run(f"megatron {spec.name} tp8 pp{pp} x{gpus}", "megatron-t2", f"PTD-P {spec.name} {gpus} GPUs",
                         spec, a100(gpus), 2048, batch,
-                        dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1, tflops=tflops,
-                        notes="1F1B assumed"))
+                        dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1,
+                        tflops=tflops, notes="1F1B assumed"))
     # Korthikanti et al.: tp8, one sequence per microbatch, dp 1; full recompute vs sp + selective.
     for b, heads, hidden, layers, pp, gpus, batch, full, present in (
             (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
@@ -137,10 +138,12 @@ def corpus() -> list[Run]:
         for label, step, extra in (("full recompute", full, dict(recompute="full")),
                                    ("sp + selective", present, dict(recompute="selective", sequence_parallel=True))):
             runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
-                            dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1, published_step=step,
+                            dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1,
+                            published_step=step,
                             notes="1F1B assumed"))
-    # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here),
-    # sequence parallel tp, no activation checkpointing at 8K; one sequence per microbatch assumed.
+    # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
+    # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
+    # microbatch assumed.
     h100 = lambda gpus: Cluster(gpus, device="h100")  # noqa: E731
     for gpus, seq, cp, dp, per_dp, tflops, held_out in ((8192, 8192, 1, 64, 32, 430, False),
                                                          (16384, 8192, 1, 128, 16, 400, False),
@@ -148,17 +151,18 @@ def corpus() -> list[Run]:
         runs.append(Run(f"llama3 405B x{gpus} seq {seq}", "llama3", f"{gpus} GPUs seq {seq}", MODELS["llama3-405b"],
                         h100(gpus), seq, dp * per_dp,
                         dict(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, microbatches=per_dp,
-                             schedule="interleaved-1f1b"), 1, tflops=tflops, calibrate=not held_out, virtual=4,
+                             schedule="interleaved-1f1b", reduce_dtype=FP32), 1, tflops=tflops, calibrate=not held_out, virtual=4,
                         notes="ZeRO-2, interleaved v4, no recompute assumed (Meta's pipeline schedule is its own)"))
-    # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3), local batch 2, seq 8192, selective AC, bf16 rows only (float8 is not
-    # in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by torchtitan's own note).
+    # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
+    # selective AC, bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by torchtitan's own note).
     # Its peak is "between SXM and NVL" (989 and 835 TFLOP/s): the midpoint.
     titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
     for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
                                      (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
         runs.append(Run(f"torchtitan 8B fsdp{gpus} {label}", "torchtitan", f"Table {1 if gpus == 8 else 3} {label}",
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
-                        dict(dp=gpus, zero=3, recompute="selective", microbatches=1), 2, tokens_per_gpu=tps,
+                        dict(dp=gpus, zero=3, recompute="selective", microbatches=1, reduce_dtype=FP32), 2,
+                        tokens_per_gpu=tps,
                         memory_gib=memory))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute. Rows at 2048 tokens
@@ -185,13 +189,16 @@ def corpus() -> list[Run]:
         spec = gpt2_like(f"mpt-{size}", layers, hidden, heads, 50368, seq)
         runs.append(Run(f"mpt {size} {device} seq {seq} fsdp{gpus}", "llm-foundry", f"{device} {size} {seq} {gpus} GPUs",
                         spec, Cluster(gpus, device=device), seq, micro * accum * gpus,
-                        dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum), micro,
+                        dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum,
+                             reduce_dtype=None if (device, size) == ("a100", "70b") else FP32), micro,
                         tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating))
     return runs
 
 
 def predict(run: Run, cluster: Cluster | None = None):
-    """The planner's Candidate for the run's own layout."""
+    """The planner's Candidate for the run's own layout (bf16 parameters; gradients in float32
+    where the source says the run reduced them so: Llama 3, torchtitan's default, llm-foundry's
+    DEFAULT precision; Megatron's 2021-2022 runs do not say, so theirs are the parameters')."""
     config = sw.ParallelConfig(param_dtype=torch.bfloat16, **run.config)
     return sw.plan.evaluate(run.spec, cluster or run.cluster, config, seq_len=run.seq, global_batch=run.global_batch,
                             virtual=run.virtual)
@@ -220,6 +227,7 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int]]:
             if run.global_batch % dp == 0:
                 grid = _inner_grid(dp, tp, pp, cp, run.global_batch // dp, run.spec.layers, (2,))
                 if grid is not None:
+                    grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
                     per_token = _per_token(run.spec, run.cluster, run.seq, grid)
                     if same:
                         per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)

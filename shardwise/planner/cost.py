@@ -9,8 +9,8 @@ flight and the embedding, or the last, which keeps the logits):
   the blocks each end rank holds are what shardwise's stage balancer gives it
   (`stage_layers`: the same cost, FLOP share plus parameter share per module, so the
   embedding's parameters leave the first stage fewer blocks);
-- gradients: as parameters (reduce_dtype left at its default, the parameter dtype);
-  / (dp*cp) at ZeRO-2 and 3;
+- gradients: as parameters, in reduce_dtype (the parameters' dtype by default: the executor
+  keeps them in its gradient buffers); / (dp*cp) at ZeRO-2 and 3;
 - optimizer: Adam's two float32 moments (+ float32 master weights under bf16), / (dp*cp)
   from ZeRO-1 on;
 - activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
@@ -62,6 +62,12 @@ class Layout:
     virtual: np.ndarray
     param_bytes: np.ndarray  # 2 (bf16) or 4 (fp32)
     ep: np.ndarray | float = 1.0  # experts split over this many of the dp ranks
+    reduce_bytes: np.ndarray | float = 0.0  # gradients' dtype (ParallelConfig.reduce_dtype); 0: param_bytes
+
+    @property
+    def grad_bytes(self):
+        """Bytes of a gradient element: reduce_dtype's, or the parameters' by default."""
+        return np.where(np.asarray(self.reduce_bytes) > 0, self.reduce_bytes, self.param_bytes)
 
 
 @dataclass
@@ -246,7 +252,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
         def held(stage):
             return count / np.where(L.zero >= stage, shards, 1) + experts / np.where(L.zero >= stage, shards / L.ep, 1)
         adam = (2 * FLOAT32 + np.where(L.param_bytes == FLOAT32, 0, FLOAT32)) * held(1)
-        return held(3) * L.param_bytes, held(2) * L.param_bytes, adam
+        return held(3) * L.param_bytes, held(2) * L.grad_bytes, adam
 
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
@@ -263,8 +269,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
     # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
     # the rank's gradients: in the step's peak, not between steps
-    rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.param_bytes
-    bucket = np.where(L.zero == 3, block_bytes, ParallelConfig.bucket_mb * 2 ** 20)
+    rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.grad_bytes
+    bucket = np.where(L.zero == 3, block_bytes / L.param_bytes * L.grad_bytes, ParallelConfig.bucket_mb * 2 ** 20)
     filling = np.where(L.zero >= 2, np.minimum((IN_FLIGHT + 1) * bucket, rank_bytes), 0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + filling
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,

@@ -161,24 +161,25 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
                                                                               zero_bubble_share(linear / block), 1)
 
     rank_params = np.maximum(memory.params_first, memory.params_last)
-    grad_bytes = rank_params * L.param_bytes
+    grad_bytes = rank_params * L.grad_bytes
     span = L.tp * shards
     last_backward = 2 / 3 * (compute + recompute) / L.microbatches
     # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter, then the parameters' all-gather)
     reduce = np.where(L.zero == 0, all_reduce(cluster, shards, grad_bytes, span),
-                      2 * ring(cluster, shards, grad_bytes, span))
+                      ring(cluster, shards, grad_bytes, span) + ring(cluster, shards, rank_params * L.param_bytes, span))
     # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and a
     # gradient reduce-scatter during its backward, each hidden behind that block's compute
-    block_bytes = grad_bytes / np.maximum(busiest_blocks, 1)
-    gather = ring(cluster, shards, block_bytes, span)
+    per_block = rank_params / np.maximum(busiest_blocks, 1)
+    gather = ring(cluster, shards, per_block * L.param_bytes, span)
+    scatter = ring(cluster, shards, per_block * L.grad_bytes, span)
     forward = block + recompute / np.maximum(L.microbatches * busiest_blocks, 1)
-    exposed3 = _overlapped(gather, forward) + _overlapped(2 * gather, 2 * block)
+    exposed3 = _overlapped(gather, forward) + _overlapped(gather + scatter, 2 * block)
     zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather)
     dp_comm = np.where(L.zero == 3, zero3, _overlapped(reduce, last_backward))
 
     # Adam on this rank's shard: parameters and gradients read, moments and float32 master
     # weights read and written, parameters written
     shard = rank_params / np.where(L.zero >= 1, shards, 1)
-    per_param = 3 * L.param_bytes + 16 + np.where(L.param_bytes >= 4, 0, 8)
+    per_param = 2 * L.param_bytes + L.grad_bytes + 16 + np.where(L.param_bytes >= 4, 0, 8)
     optimizer_step = shard * per_param / cluster.spec.hbm_bw
     return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
