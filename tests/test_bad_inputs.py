@@ -507,6 +507,10 @@ PLANNER = {  # each was accepted and planned nonsense before (issue 26)
     "memory_fraction 1.5": Case(cluster(memory_fraction=1.5), "ConfigError", "memory_fraction=1.5 must be in (0, 1]"),
     "global_batch zero": Case(search(global_batch=0), "ConfigError", "global_batch=0 must be a positive integer"),
     "override kept": Case(lambda: sw.Cluster(gpus=8, memory_bytes=40e9).spec.memory_bytes, None, check=lambda v: v == 40e9),
+    "gemm_efficiency above one": Case(cluster(gemm_efficiency=1.5), "ConfigError", "gemm_efficiency=1.5 is a fraction"),
+    "matmul_overhead negative": Case(cluster(matmul_overhead=-1e-6), "ConfigError", "matmul_overhead=-1e-06 must be a"),
+    "calibration override kept": Case(lambda: sw.Cluster(gpus=8, matmul_overhead=0, elementwise=16).spec, None,
+                                      check=lambda d: d.matmul_overhead == 0 and d.elementwise == 16),
 }
 
 SINGLE = {**{f"config: {k}": v for k, v in CONFIG.items()}, **{f"plan: {k}": v for k, v in PLANS.items()},
