@@ -109,11 +109,11 @@ def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]
 def _cost(options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: int = MICRO):
     """The planner's Cost of `options` (a ParallelConfig's fields) for `model` on `world` local ranks."""
     config = sw.ParallelConfig(**options).resolve(world)
-    size = lambda dtype: 0 if dtype is None else torch.empty((), dtype=dtype).element_size()  # noqa: E731
     layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
                     recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=micro,
                     microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1,
-                    param_bytes=size(config.param_dtype) or 4, ep=config.ep, reduce_bytes=size(config.reduce_dtype))
+                    param_bytes=config.param_dtype.itemsize if config.param_dtype else 4, ep=config.ep,
+                    reduce_bytes=config.reduce_dtype.itemsize if config.reduce_dtype else 0)
     return evaluate(model_spec(model), Cluster.local(world), layout, seq)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -82,8 +82,7 @@ class Run:
     memory_gib: float | None = None
     calibrate: bool = False
     virtual: int = 1
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
+    notes: str = ""  # what the source does not say and the layout assumes
 
     def step_seconds(self, model_flops: float) -> float:
         """The published step time, in seconds."""
@@ -316,6 +315,8 @@ def main() -> None:
         magnitudes = [abs(e) for e in values]
         print(f"step time, {part}: median |error| {statistics.median(magnitudes):.1%}, max {max(magnitudes):.1%} "
               f"over {len(values)} runs (signed median {statistics.median(values):+.1%})")
+    for note in dict.fromkeys(r.notes for r in runs if r.notes):
+        print(f"assumed where the source does not say ({', '.join(r.name for r in runs if r.notes == note)}): {note}")
     if memory_errors:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
     print(f"worst rank of a published layout among the fitting layouts at its degrees with its own recompute and sp: "

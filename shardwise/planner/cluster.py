@@ -8,8 +8,8 @@ a large matmul reaches in a training step (`gemm_efficiency`, per device), a mat
 cost (`matmul_overhead`) and the traffic of a block's elementwise ops (`elementwise`), fitted
 on part of bench/planner_published.py's corpus of published runs (the rest shows how they
 generalise).
-Any of the datasheet numbers can be overridden: `Cluster(gpus=64, device="h100",
-inter_node_bw=25e9)`.
+Any of them can be overridden: `Cluster(gpus=64, device="h100", inter_node_bw=25e9)`, or the
+fitted ones to a machine's own runs.
 """
 
 from __future__ import annotations

@@ -286,15 +286,14 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
         raise ConfigError(f"schedule={config.schedule!r}: the planner models {sorted(SCHEDULE_CODES)}")
     if config.recompute not in RECOMPUTE_CODES:
         raise ConfigError(f"recompute={config.recompute!r}: the planner models None, 'selective' and 'full'")
-    nbytes = 4 if config.param_dtype in (None, torch.float32) else torch.empty((), dtype=config.param_dtype).element_size()
+    nbytes = 4 if config.param_dtype is None else config.param_dtype.itemsize
     layout = Layout(dp=np.array([config.dp]), tp=np.array([config.tp]), pp=np.array([config.pp]),
                     cp=np.array([config.cp]), zero=np.array([config.zero]),
                     recompute=np.array([RECOMPUTE_CODES[config.recompute]]),
                     sp=np.array([int(config.sequence_parallel)]), micro_batch=np.array([global_batch // replicas]),
                     microbatches=np.array([config.microbatches]), schedule=np.array([SCHEDULE_CODES[config.schedule]]),
                     virtual=np.array([virtual]), param_bytes=np.array([nbytes]), ep=np.array([config.ep]),
-                    reduce_bytes=np.array([0 if config.reduce_dtype is None
-                                           else torch.empty((), dtype=config.reduce_dtype).element_size()]))
+                    reduce_bytes=np.array([0 if config.reduce_dtype is None else config.reduce_dtype.itemsize]))
     candidate = _candidate(spec, cluster, seq_len, layout, evaluate_layouts(spec, cluster, layout, seq_len), 0)
-    candidate.config = config  # the user's, with what the grid does not vary (reduce_dtype, bucket size...)
+    candidate.config = config  # the user's, with what the grid does not vary (reduce_dtype)
     return candidate
