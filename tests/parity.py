@@ -363,15 +363,30 @@ def _train_cases(cases: list[Case]) -> list[Run]:
     return [train_parallel(c.config, c.factory, c.batches, c.plan, optimizer=c.optimizer, fault=c.fault) for c in cases]
 
 
+# Cases trained in one spawn of ranks. Each parallelize creates its topology's gloo groups, and
+# torch keeps each group's transport thread waking every 10 ms for as long as the process lives
+# (a group cannot be destroyed and made again: a locally synchronized group's name is a hash of
+# its ranks and the count of live groups, so the next one of the same ranks reuses the dead one's
+# rendezvous keys and hangs in new_group, seen here). Ranks are processes sharing the machine's
+# cores, so by the 20th case of one spawn ~600 threads per rank poll and a case runs 3-10x
+# slower than alone (test_expert_parallel_parity: 31 cases, 98 s; the last 8 alone, 13 s).
+# A spawn costs a few seconds; 8 cases keep the polling threads under ~250 per rank.
+CASES_PER_SPAWN = 8
+
+
 def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
-    """Several parity checks in one spawn of `world` ranks (one process start for all):
-    each case trains in turn on every rank and is compared with its own one-process run."""
+    """Several parity checks in spawns of `world` ranks (one process start for up to
+    CASES_PER_SPAWN of them): each case trains in turn on every rank and is compared with its
+    own one-process run."""
     references = []
     for case in cases:
         references.append(reference_run(case.factory, case.reference_batches(), optimizer=case.optimizer,
                                         microbatches=case.reference_microbatches))
         assert_meaningful(references[-1], case.optimizer)
-    results = sw.testing.run_on_ranks(_train_cases, world, cases)
+    results: list[list[Run]] = [[] for _ in range(world)]
+    for start in range(0, len(cases), CASES_PER_SPAWN):
+        for rank, runs in enumerate(sw.testing.run_on_ranks(_train_cases, world, cases[start:start + CASES_PER_SPAWN])):
+            results[rank].extend(runs)
     worst: dict[str, dict[str, float]] = {}
     for rank, runs in enumerate(results):
         for case, reference, got in zip(cases, references, runs):
