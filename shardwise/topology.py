@@ -231,13 +231,20 @@ class Topology:
         """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").
 
         Created on first use with the config's timeout; creation is collective among the
-        group's members, so all ranks must ask for the same groups in the same order.
+        group's members, so all ranks must ask for the same groups in the same order. The
+        dims of size 1 share one group of this rank alone: each gloo group keeps a thread that
+        wakes every 10 ms while the process lives, and ranks share the machine's cores.
         """
         key = canonical_dims(dims)
         if key not in self._groups:
-            self._groups[key] = dist.new_group(
-                self.group_ranks(*key), timeout=self.timeout, use_local_synchronization=True
-            )
+            ranks = self.group_ranks(*key)
+            alone = ("ranks", self.rank)
+            if len(ranks) == 1 and alone in self._groups:  # every dim of size 1 shares one group
+                self._groups[key] = self._groups[alone]
+            else:
+                self._groups[key] = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
+                if len(ranks) == 1:
+                    self._groups[alone] = self._groups[key]
         return self._groups[key]
 
     def group_of(self, ranks: Iterable[int]) -> dist.ProcessGroup:

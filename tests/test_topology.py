@@ -71,6 +71,9 @@ def _real_groups(config: dict):
         "coords": pm_topology.coordinates,
         "mesh_coord": tuple(mesh.get_coordinate()),
         "mesh_tp": dist.get_process_group_ranks(mesh.get_group("tp")),
+        # dims of size 1 share one group of this rank alone (each gloo group keeps a polling thread)
+        "lone_groups": len({id(pm_topology.group(*dims)) for dims in all_dim_sets()
+                            if pm_topology.size(*dims) == 1}),
     }
 
 
@@ -90,6 +93,7 @@ def test_real_groups_match_layout(config):
             assert rank in ranks
             assert total == float(sum(want))
         assert res["mesh_tp"] == res["groups"][("tp",)][0]
+        assert res["lone_groups"] == 1  # every config here has dims of size 1 (dp, pp or cp)
 
 
 def test_slurm_environment_maps_to_torchrun_variables():
