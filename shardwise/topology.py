@@ -238,13 +238,8 @@ class Topology:
         key = canonical_dims(dims)
         if key not in self._groups:
             ranks = self.group_ranks(*key)
-            alone = ("ranks", self.rank)
-            if len(ranks) == 1 and alone in self._groups:  # every dim of size 1 shares one group
-                self._groups[key] = self._groups[alone]
-            else:
-                self._groups[key] = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
-                if len(ranks) == 1:
-                    self._groups[alone] = self._groups[key]
+            self._groups[key] = (self.group_of(ranks) if len(ranks) == 1  # shared by every dim of size 1
+                                 else dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True))
         return self._groups[key]
 
     def group_of(self, ranks: Iterable[int]) -> dist.ProcessGroup:
