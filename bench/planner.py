@@ -113,7 +113,8 @@ def _cost(options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: in
                     recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=micro,
                     microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1,
                     param_bytes=config.param_dtype.itemsize if config.param_dtype else 4, ep=config.ep,
-                    reduce_bytes=config.reduce_dtype.itemsize if config.reduce_dtype else 0)
+                    reduce_bytes=config.reduce_dtype.itemsize if config.reduce_dtype else 0,
+                    bucket_bytes=config.bucket_mb * 2 ** 20)
     return evaluate(model_spec(model), Cluster.local(world), layout, seq)
 
 
@@ -212,7 +213,7 @@ def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[s
 
 
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
-                ("gpt", {"dp": 4, "zero": 3})]
+                ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})]
 
 
 BIG_WORLD = 64

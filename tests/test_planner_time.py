@@ -1,6 +1,6 @@
-"""The planner's time model (planner/timing.py): each term does what its derivation says, the
-zero-bubble bubble is torch's own schedule's, and the published runs of
-bench/planner_published.py stay within the issue's bounds. Arithmetic only, no timing."""
+"""The planner's time model (planner/timing.py) and its gradient buckets' memory: each term does
+what its derivation says, the zero-bubble bubble is torch's own schedule's, and the published
+runs of bench/planner_published.py stay within the issue's bounds. Arithmetic only, no timing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import shardwise as sw
 from shardwise.planner import Cluster, model_spec
 from shardwise.planner.cost import Layout, evaluate
-from shardwise.planner.timing import all_reduce, ring, zero_bubble_share
+from shardwise.planner.timing import _overlapped, all_reduce, ring, zero_bubble_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import planner_published as published  # noqa: E402
@@ -193,3 +193,35 @@ def test_evaluate_exposes_the_new_terms():
     assert c.time_terms["optimizer_step"] > 0 and c.time_terms["pp_comm"] > 0
     assert "optimizer step" in c.explain()
     assert np.isclose(sum(c.time_terms.values()), c.step_seconds)
+
+
+def test_bucket_mb_sets_zero2_buffers_and_the_reduces_latencies():
+    """`bucket_mb` is a field `evaluate` accepts, so it must move the prediction. Faults: every
+    layout charged the default 25 MiB fails the 1 GiB buffers; one latency for all buckets
+    fails the all-reduce.
+    Llama 3 8B, tp1, bf16 with float32 gradients: a bucket holds whole tensors, so at 25 MiB
+    each MLP matrix (4096 x 14336 x 4 B = 235 MB) is a bucket of its own; the window of
+    IN_FLIGHT + 1 = 3 buckets that holds the embedding's gradient (128256 x 4096 x 4 B) is the
+    step's peak of ZeRO-2 buffers."""
+    from shardwise.parallel.data.gradients import IN_FLIGHT
+
+    cluster = Cluster(16, device="h100")
+
+    def predict(zero, bucket_mb):
+        return sw.plan.evaluate("llama3-8b", cluster, sw.ParallelConfig(
+            zero=zero, bucket_mb=bucket_mb, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            seq_len=4096, global_batch=16)
+
+    matrix, embedding = 4096 * 14336 * 4, 128256 * 4096 * 4
+    assert predict(2, 25).memory_terms["buffers"] == pytest.approx(IN_FLIGHT * matrix + embedding)
+    gib = 2 ** 30  # bigger than any tensor: buckets of 1 GiB each
+    assert predict(2, 1024).memory_terms["buffers"] == pytest.approx(IN_FLIGHT * gib + embedding)
+    # ZeRO-0: one all-reduce per bucket, each with its own latency steps, the same bytes in all,
+    # overlapped with the last microbatch's backward
+    spec = model_spec("llama3-8b")
+    grads = spec.params * 4
+    for bucket_mb, bucket in ((25, matrix), (1024, gib)):
+        terms = evaluate(spec, cluster, _layout(dp=16, reduce_bytes=4, bucket_bytes=bucket_mb * 2 ** 20), 4096)
+        buckets = np.ceil(grads / bucket)
+        reduce = buckets * all_reduce(cluster, 16, grads / buckets, 16)
+        assert float(terms.dp_comm) == pytest.approx(float(_overlapped(reduce, 2 / 3 * terms.compute)))

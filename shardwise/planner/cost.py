@@ -63,6 +63,7 @@ class Layout:
     param_bytes: np.ndarray  # 2 (bf16) or 4 (fp32)
     ep: np.ndarray | float = 1.0  # experts split over this many of the dp ranks
     reduce_bytes: np.ndarray | float = 0.0  # gradients' dtype (ParallelConfig.reduce_dtype); 0: param_bytes
+    bucket_bytes: np.ndarray | float = ParallelConfig.bucket_mb * 2 ** 20  # ParallelConfig.bucket_mb, in bytes
 
     @property
     def grad_bytes(self):
@@ -231,6 +232,7 @@ class _Memory:
     act_last: np.ndarray
     layers_first: np.ndarray  # blocks on the first and last pipeline ranks
     layers_last: np.ndarray
+    bucket: np.ndarray  # bytes of one gradient bucket (ZeRO 0-2): bucket_bytes or the largest tensor
 
 
 def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
@@ -268,10 +270,25 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
     # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
-    # the rank's gradients: in the step's peak, not between steps
+    # the rank's gradients: in the step's peak, not between steps. A ZeRO-0-2 bucket holds whole
+    # tensors (comm.coalesce): up to bucket_bytes, or one tensor past that; the window that holds
+    # an end rank's embedding or head holds it and IN_FLIGHT buckets of blocks
     rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.grad_bytes
-    bucket = np.where(L.zero == 3, block_bytes / L.param_bytes * L.grad_bytes, ParallelConfig.bucket_mb * 2 ** 20)
-    filling = np.where(L.zero >= 2, np.minimum((IN_FLIGHT + 1) * bucket, rank_bytes), 0.0)
-    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + filling
+    end_first = embed_tensor = spec.embed_params[0] / L.tp
+    end_last = np.where(tied_elsewhere, embed_tensor, spec.head_params[0] / L.tp)
+    end_tensor = np.where(L.pp == 1, np.maximum(end_first, end_last), np.where(use_last, end_last, end_first))
+    bucket = np.maximum(L.bucket_bytes, largest_block_tensor(spec, L) * L.grad_bytes)
+    window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
+    filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * block_bytes / L.param_bytes * L.grad_bytes,
+                                                     window], 0.0)
+    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + np.minimum(filling, rank_bytes)
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
-                   first, last, act_first, act_last, layers_first, layers_last)
+                   first, last, act_first, act_last, layers_first, layers_last, bucket)
+
+
+def largest_block_tensor(spec: ModelSpec, L: Layout):
+    """Elements of a block's largest parameter on one rank: an MLP matrix (hidden x ffn / tp),
+    or a mixture's fused expert weights (Hugging Face keeps gate and up projections of all of
+    a layer's experts in one tensor; ep splits the experts, tp leaves them whole)."""
+    fused_share = 2 / 3 if spec.mlp == "swiglu" else 1 / 2
+    return np.maximum(spec.hidden * spec.ffn / L.tp, spec.expert_params / L.ep * fused_share)

@@ -293,7 +293,8 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
                     sp=np.array([int(config.sequence_parallel)]), micro_batch=np.array([global_batch // replicas]),
                     microbatches=np.array([config.microbatches]), schedule=np.array([SCHEDULE_CODES[config.schedule]]),
                     virtual=np.array([virtual]), param_bytes=np.array([nbytes]), ep=np.array([config.ep]),
-                    reduce_bytes=np.array([0 if config.reduce_dtype is None else config.reduce_dtype.itemsize]))
+                    reduce_bytes=np.array([0 if config.reduce_dtype is None else config.reduce_dtype.itemsize]),
+                    bucket_bytes=np.array([config.bucket_mb * 2 ** 20]))
     candidate = _candidate(spec, cluster, seq_len, layout, evaluate_layouts(spec, cluster, layout, seq_len), 0)
-    candidate.config = config  # the user's, with what the grid does not vary (reduce_dtype)
+    candidate.config = config  # the user's, with what the grid does not vary (reduce_dtype, bucket_mb)
     return candidate

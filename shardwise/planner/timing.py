@@ -164,9 +164,12 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     grad_bytes = rank_params * L.grad_bytes
     span = L.tp * shards
     last_backward = 2 / 3 * (compute + recompute) / L.microbatches
-    # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter, then the parameters' all-gather)
-    reduce = np.where(L.zero == 0, all_reduce(cluster, shards, grad_bytes, span),
-                      ring(cluster, shards, grad_bytes, span) + ring(cluster, shards, rank_params * L.param_bytes, span))
+    # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter, then the parameters' all-gather),
+    # one collective per bucket, each paying its own latency
+    buckets = np.maximum(np.ceil(grad_bytes / memory.bucket), 1)
+    reduce = np.where(L.zero == 0, buckets * all_reduce(cluster, shards, grad_bytes / buckets, span),
+                      buckets * ring(cluster, shards, grad_bytes / buckets, span)
+                      + ring(cluster, shards, rank_params * L.param_bytes, span))
     # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and a
     # gradient reduce-scatter during its backward, each hidden behind that block's compute
     per_block = rank_params / np.maximum(busiest_blocks, 1)
