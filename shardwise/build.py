@@ -24,6 +24,7 @@ from torch import nn
 from .batch import split_batch
 from .comm import broadcast_rng_state
 from .config import SCHEDULES, ParallelConfig
+from .compat import group_name_salt
 from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
@@ -47,7 +48,7 @@ from .plan import Plan, ResolvedPlan, as_plan, resolve_plan
 from .plan.stages import StageLayout, candidate_units, layer_list, layout_stages
 from .state import ModelIndex
 from .tensors import local
-from .topology import Topology, init_distributed
+from .topology import Topology, even_group_names, init_distributed
 
 def parallelize(
     module: nn.Module,
@@ -89,16 +90,25 @@ def parallelize(
         except ShardwiseError as exc:
             problem = exc
     coordinator = world_coordinator(timeout_s)
-    coordinator.agree("parallelize", problem, fingerprints=[Fingerprint(
-        fingerprint_of(lines), lambda: lines, ModelError,
-        "Every rank must build the same model with the same config and plan (same seed-independent "
-        "architecture and shapes); check rank-dependent code before sw.parallelize")])
+    salt = group_name_salt()  # groups made before this call may differ between ranks (the user's)
+    opened = coordinator.agree("parallelize", problem, value=-1 if salt is None else salt, every_value=True,
+                               fingerprints=[Fingerprint(
+                                   fingerprint_of(lines), lambda: lines, ModelError,
+                                   "Every rank must build the same model with the same config and plan (same "
+                                   "seed-independent architecture and shapes); check rank-dependent code before "
+                                   "sw.parallelize")])
     config, chosen, resolved, pipelined = checked
     if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
         config = _without_zero(config)  # dp * cp == 1
-    topology = Topology(config)
-    with coordinator.body("parallelize"), running(topology):
-        return _build(module, topology, chosen, resolved, pipelined)
+    with coordinator.body("parallelize"):
+        even_group_names(opened.values(), salt)
+        topology = Topology(config)
+        with running(topology):
+            pmodel = _build(module, topology, chosen, resolved, pipelined)
+        salt = group_name_salt()  # tied parameters' groups exist on some pipeline ranks only
+        even_group_names(coordinator.agree("parallelize: groups made", value=-1 if salt is None else salt,
+                                           every_value=True).values(), salt)
+        return pmodel
 
 
 def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any, parts: Any = None):

@@ -16,9 +16,13 @@ otherwise, so the rest of the package is written against one API.
   2.13 it fails ("Attempted to set the storage of a tensor on device cpu to a storage on
   different device meta", an InternalTorchDynamoError, reproduced with one Linear's DTensor
   weight moved into a flat buffer); 2.14 traces it, so tp with ZeRO compiles there.
+- `group_name_salt()`: the count torch salts a locally synchronized group's hashed name with:
+  the groups this process has registered through 2.13, its group-creation calls from 2.14.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -33,3 +37,19 @@ _RELEASE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 COMPILES_DTENSOR_PARAMETERS = _RELEASE >= (2, 13)
 COMPILES_DTENSOR_VIEWS = _RELEASE >= (2, 14)
 
+
+
+def group_name_salt() -> int | None:
+    """This rank's salt in torch's name for the next group made with
+    `use_local_synchronization=True` (sha1 of its ranks and the salt); None when this torch
+    names groups some other way. Found by asking torch's own hash which count it used."""
+    from torch.distributed import distributed_c10d as c10d
+
+    name_of = getattr(c10d, "_hash_ranks_to_str", None)
+    world = getattr(c10d, "_world", None)
+    if name_of is None or world is None:
+        return None
+    for salt in (len(world.pg_names), world.group_count):
+        if name_of([0]) == hashlib.sha1(f"0_{salt}".encode()).hexdigest():
+            return salt
+    return None

@@ -147,6 +147,21 @@ def _coordinate(dim: str) -> property:
     return property(get, doc=f"This rank's coordinate along {dim}.")
 
 
+def even_group_names(salts: list[int], salt: int | None) -> None:
+    """Make this rank's group-name salt (`compat.group_name_salt`) the largest of the ranks'
+    `salts`, with groups of this rank alone.
+
+    Torch names a group made with `use_local_synchronization=True` by its ranks and the salt,
+    a count of the groups each member has made. Ranks that made different numbers (a tied
+    parameter's group exists on some pipeline ranks only) give the next group they share one
+    name each, and each waits for the others under its own: a second parallelize at pp=4 with
+    tied embeddings waited out timeout_s in `new_group`."""
+    if salt is None or min(salts) < 0 or control_backend() == "fake":  # another naming; one process
+        return
+    for _ in range(max(salts) - salt):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
 class Topology:
     """This rank's place in the (pp, dp, cp, tp) grid, its groups and the DeviceMesh.
 

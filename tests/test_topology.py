@@ -4,6 +4,7 @@ tp peers are consecutive; and the real process groups follow the same layout."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -135,3 +136,37 @@ def test_srun_tasks_form_one_world():
     assert [code for code, _, _ in outputs] == [0, 0], outputs
     assert sorted(out.split()[:3] for _, out, _ in outputs) == [["0", "2", "2"], ["1", "2", "2"]], outputs
     assert all(out.split()[3:] == ["released"] for _, out, _ in outputs), outputs
+
+
+def _parallelize_after_uneven_groups(timeout_s: float):
+    """Groups some ranks made and others did not, then parallelizes that make more groups:
+    a user's group of rank 0 alone, a pipeline whose tied embedding's group exists on its
+    first and last stages only, a group of its topology made after it, then a second model in
+    the same process."""
+    from shardwise.models import GPT, GPTConfig
+
+    dist.new_group([0], use_local_synchronization=True) if dist.get_rank() == 0 else None
+    steps = []
+    for config in ({"pp": 4, "microbatches": 4}, {"dp": 2, "pp": 2, "microbatches": 2}):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32, tie_embeddings=True))
+        tokens = torch.randint(0, 64, (4, 16))
+        batch = {"input_ids": tokens, "labels": tokens}
+        pmodel = sw.parallelize(model, sw.ParallelConfig(**config, timeout_s=timeout_s), sample=batch)
+        steps.append(float(pmodel.train_step(batch)))
+        across = pmodel.topology.group("pp", "dp")  # a group made after parallelize (e.g. by a layer's sw.reduce)
+        value = torch.ones(1)
+        dist.all_reduce(value, group=across)
+        steps.append(float(value))
+    return steps
+
+
+def test_parallelize_after_groups_made_on_some_ranks_only():
+    """Torch names a locally synchronized group by its ranks and how many groups each member has
+    made; members that made different numbers wait on each other under different names. Fault:
+    without shardwise evening the counts (topology.even_group_names) before it builds, the first
+    parallelize waits out timeout_s in new_group (DistStoreError); without evening them after,
+    the group made after the tied pipeline does."""
+    results = sw.testing.run_on_ranks(_parallelize_after_uneven_groups, 4, 20.0, timeout=120)
+    for loss, members, loss2, members2 in results:
+        assert math.isfinite(loss) and math.isfinite(loss2) and members == members2 == 4.0
