@@ -90,25 +90,30 @@ def parallelize(
         except ShardwiseError as exc:
             problem = exc
     coordinator = world_coordinator(timeout_s)
-    salt = group_name_salt()  # groups made before this call may differ between ranks (the user's)
-    opened = coordinator.agree("parallelize", problem, value=-1 if salt is None else salt, every_value=True,
-                               fingerprints=[Fingerprint(
-                                   fingerprint_of(lines), lambda: lines, ModelError,
-                                   "Every rank must build the same model with the same config and plan (same "
-                                   "seed-independent architecture and shapes); check rank-dependent code before "
-                                   "sw.parallelize")])
+    # groups made before this call (the user's) may differ between ranks
+    _agree_evening_group_names(coordinator, "parallelize", problem, [Fingerprint(
+        fingerprint_of(lines), lambda: lines, ModelError,
+        "Every rank must build the same model with the same config and plan (same seed-independent "
+        "architecture and shapes); check rank-dependent code before sw.parallelize")])
     config, chosen, resolved, pipelined = checked
     if config.zero and dist.get_world_size() // (config.tp * config.pp) == 1:
         config = _without_zero(config)  # dp * cp == 1
     with coordinator.body("parallelize"):
-        even_group_names(opened.values(), salt)
         topology = Topology(config)
         with running(topology):
             pmodel = _build(module, topology, chosen, resolved, pipelined)
-        salt = group_name_salt()  # tied parameters' groups exist on some pipeline ranks only
-        even_group_names(coordinator.agree("parallelize: groups made", value=-1 if salt is None else salt,
-                                           every_value=True).values(), salt)
+        # tied parameters' groups exist on some pipeline ranks only
+        _agree_evening_group_names(coordinator, "parallelize: groups made")
         return pmodel
+
+
+def _agree_evening_group_names(coordinator, op: str, problem: BaseException | None = None,
+                               fingerprints: list[Fingerprint] | None = None) -> None:
+    """Agree on `op`, and on the ranks' group-name salts, then even them (`even_group_names`)."""
+    salt = group_name_salt()
+    agreed = coordinator.agree(op, problem, value=-1 if salt is None else salt, every_value=True,
+                               fingerprints=fingerprints or ())
+    even_group_names(agreed.values(), salt)
 
 
 def _check_locally(module: nn.Module, config: ParallelConfig, plan: Any, sample: Any, parts: Any = None):
