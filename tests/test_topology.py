@@ -138,11 +138,11 @@ def test_srun_tasks_form_one_world():
     assert all(out.split()[3:] == ["released"] for _, out, _ in outputs), outputs
 
 
-def _parallelize_after_uneven_groups(timeout_s: float):
+def _parallelize_after_uneven_groups(timeout_s: float, directory: str):
     """Groups some ranks made and others did not, then parallelizes that make more groups:
     a user's group of rank 0 alone, a pipeline whose tied embedding's group exists on its
-    first and last stages only, a group of its topology made after it, then a second model in
-    the same process."""
+    first and last stages only, groups made after it (an asynchronous save's, one of its
+    topology's), then a second model in the same process."""
     from shardwise.models import GPT, GPTConfig
 
     dist.new_group([0], use_local_synchronization=True) if dist.get_rank() == 0 else None
@@ -154,19 +154,21 @@ def _parallelize_after_uneven_groups(timeout_s: float):
         batch = {"input_ids": tokens, "labels": tokens}
         pmodel = sw.parallelize(model, sw.ParallelConfig(**config, timeout_s=timeout_s), sample=batch)
         steps.append(float(pmodel.train_step(batch)))
-        across = pmodel.topology.group("pp", "dp")  # a group made after parallelize (e.g. by a layer's sw.reduce)
+        # a group made after parallelize: an asynchronous save's own (named by torch 2.14's count)...
+        sw.save_checkpoint(f"{directory}/{len(config)}", pmodel, async_=True).wait()
+        across = pmodel.topology.group("pp", "dp")  # ...and one of the topology's (e.g. by a layer's sw.reduce)
         value = torch.ones(1)
         dist.all_reduce(value, group=across)
         steps.append(float(value))
     return steps
 
 
-def test_parallelize_after_groups_made_on_some_ranks_only():
+def test_parallelize_after_groups_made_on_some_ranks_only(tmp_path):
     """Torch names a locally synchronized group by its ranks and how many groups each member has
     made; members that made different numbers wait on each other under different names. Fault:
     without shardwise evening the counts (topology.even_group_names) before it builds, the first
     parallelize waits out timeout_s in new_group (DistStoreError); without evening them after,
-    the group made after the tied pipeline does."""
-    results = sw.testing.run_on_ranks(_parallelize_after_uneven_groups, 4, 20.0, timeout=120)
+    the topology's group made after the tied pipeline does, and on torch 2.14 the save's too."""
+    results = sw.testing.run_on_ranks(_parallelize_after_uneven_groups, 4, 20.0, str(tmp_path), timeout=120)
     for loss, members, loss2, members2 in results:
         assert math.isfinite(loss) and math.isfinite(loss2) and members == members2 == 4.0
