@@ -38,7 +38,6 @@ COMPILES_DTENSOR_PARAMETERS = _RELEASE >= (2, 13)
 COMPILES_DTENSOR_VIEWS = _RELEASE >= (2, 14)
 
 
-
 def group_name_salt() -> int | None:
     """This rank's salt in torch's name for the next group made with
     `use_local_synchronization=True` (sha1 of its ranks and the salt); None when this torch
