@@ -120,6 +120,11 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     logger.open()
     logger.log({"step": 7, "loss": 1.625, "global_tokens_per_s": 12345.5, "mfu": None}, 7)
     logger.close()
+    import wandb
+
+    # finish() returns once the run's end is handled; W&B's service process writes the offline
+    # file's blocks in its own time (one CI run read only the header). teardown() waits for it.
+    wandb.teardown()
     (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     data = b"".join(_wandb_records(run.read_bytes()))
     for text in (b"global_tokens_per_s", b"12345.5", b"loss", b"1.625"):
