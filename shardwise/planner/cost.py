@@ -274,8 +274,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # tensors (comm.coalesce): up to bucket_bytes, or one tensor past that; the window that holds
     # an end rank's embedding or head holds it and IN_FLIGHT buckets of blocks
     rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.grad_bytes
-    end_first = embed_tensor = spec.embed_params[0] / L.tp
-    end_last = np.where(tied_elsewhere, embed_tensor, spec.head_params[0] / L.tp)
+    end_first = spec.embed_params[0] / L.tp
+    end_last = np.where(tied_elsewhere, end_first, spec.head_params[0] / L.tp)
     end_tensor = np.where(L.pp == 1, np.maximum(end_first, end_last), np.where(use_last, end_last, end_first))
     bucket = np.maximum(L.bucket_bytes, largest_block_tensor(spec, L) * L.grad_bytes)
     window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
