@@ -61,6 +61,7 @@ from .comm import trace_range
 from .compat import all_gather_single
 from .control_sum import RecursiveDoublingSum, doubling_steps
 from .errors import CommunicationError, ShardwiseError
+from .shared_groups import retire_shared_groups, shared_group
 
 OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_dict", "full_grad_dict",
               "load_full_state_dict", "save_checkpoint", "load_checkpoint", "optimizer.step", "clip_grad_norm",
@@ -174,8 +175,10 @@ class Coordinator:
     """Agreements and beacons over one control group (every rank of a world or topology)."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, store: Any | None = None,
-                 fast_path: bool | None = None):
+                 fast_path: bool | None = None, retires_shared_groups: bool = False):
         self.group = group
+        # out of step, this coordinator's collectives may have left shared groups unusable
+        self.retires_shared_groups = retires_shared_groups
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
         self.index = self.ranks.index(self.rank)
@@ -384,7 +387,14 @@ class Coordinator:
         """Out of step for `reason`; the first reason stays (what follows is its consequence)."""
         if self.out_of_step is None:
             self.out_of_step = reason
+            self._retire()  # before the beacon: a peer that reads it finds them retired
             self._beacon(f"out of step: {reason}")
+
+    def _retire(self) -> None:
+        """After a failure inside an operation: collectives it left in flight or unmatched would
+        pair with the next ones on the same groups, so later topologies make their own."""
+        if self.retires_shared_groups and self.size > 1:
+            retire_shared_groups(default_store())
 
     # agreement -------------------------------------------------------------------------
     def agree(self, op: str, problem: BaseException | None = None, *, value: int = 0,
@@ -482,6 +492,7 @@ class Coordinator:
         try:
             yield
         except AgreedError:
+            self._retire()  # raised mid-operation, it may leave collectives in flight
             raise
         except BaseException as exc:
             if self.size > 1:
@@ -597,16 +608,17 @@ def _short(exc: BaseException) -> str:
 def world_coordinator(timeout_s: float) -> Coordinator:
     """A coordinator over the default group (which must carry CPU tensors: gloo, or a
     "cpu:gloo,cuda:nccl" default group as `init_distributed` makes)."""
-    return Coordinator(control_group(dist.group.WORLD, timeout_s), timeout_s)
+    return Coordinator(control_group(dist.group.WORLD, timeout_s), timeout_s, retires_shared_groups=True)
 
 
 def control_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """`group` itself when it carries CPU tensors, else a new group of the same ranks that does."""
+    """`group` itself when it carries CPU tensors, else a CPU group of the same ranks (made once
+    per process and timeout: `shared_groups`)."""
     backend = str(dist.get_backend(group))
     if "gloo" in backend or backend == "fake":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend=control_backend(),
-                          timeout=timedelta(seconds=timeout_s))
+    return shared_group(dist.get_process_group_ranks(group), "control", timedelta(seconds=timeout_s),
+                        control_backend())
 
 
 def control_backend() -> str:

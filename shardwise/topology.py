@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig
-from .coordination import Coordinator, control_backend
+from .coordination import Coordinator, control_backend, default_store
 from .errors import ShardwiseError
+from .shared_groups import generation, shared_group
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest-varying first
 
@@ -183,6 +184,7 @@ class Topology:
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._families: dict[tuple[str, ...], list[list[int]]] = {}  # per-step lookups stay O(1) at any world
         self._around: dict[tuple, list[int]] = {}  # ranks_at's answers
+        self._generation = generation(default_store())  # after parallelize's agreement: alike on every rank
         per_dim = [self.group(d) for d in MESH_DIMS]
         if self.world_size > 1:  # made now, on every rank alike: steps use it without agreeing first (ZeRO)
             self.group(*MESH_DIMS)
@@ -191,7 +193,7 @@ class Topology:
         )
         # Its own CPU group: agreements of one topology never pair with another's collectives.
         control = dist.new_group(list(range(self.world_size)), timeout=self.timeout, backend=control_backend())
-        self.coordinator = Coordinator(control, self.config.timeout_s)
+        self.coordinator = Coordinator(control, self.config.timeout_s, retires_shared_groups=True)
 
     # coordinates -------------------------------------------------------------------
     pp_rank = _coordinate("pp")
@@ -245,28 +247,29 @@ class Topology:
     def group(self, *dims: str) -> dist.ProcessGroup:
         """This rank's process group spanning `dims` (e.g. "dp" or "dp", "cp").
 
-        Created on first use with the config's timeout; creation is collective among the
+        Made on first use with the config's timeout, or shared with an earlier topology's
+        group of the same dims and ranks (`shared_groups`); creation is collective among the
         group's members, so all ranks must ask for the same groups in the same order. The
-        dims of size 1 share one group of this rank alone: each gloo group keeps a thread that
-        wakes every 10 ms while the process lives, and ranks share the machine's cores.
+        dims of size 1 share one group of this rank alone.
         """
         key = canonical_dims(dims)
         if key not in self._groups:
             ranks = self.group_ranks(*key)
             self._groups[key] = (self.group_of(ranks) if len(ranks) == 1  # shared by every dim of size 1
-                                 else dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True))
+                                 else shared_group(ranks, "+".join(key), self.timeout, generation=self._generation))
         return self._groups[key]
 
     def group_of(self, ranks: Iterable[int]) -> dist.ProcessGroup:
         """A group of exactly `ranks` (e.g. the pipeline ranks holding a tied parameter).
 
-        Created on first use with the config's timeout; every member must ask for it.
+        Made on first use with the config's timeout (or shared, as `group`'s); every member
+        must ask for it.
         """
         key = ("ranks",) + tuple(sorted(set(ranks)))
         if self.rank not in key[1:]:
             raise ShardwiseError(f"rank {self.rank} asked for group {list(key[1:])} it is not a member of")
         if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key[1:]), timeout=self.timeout, use_local_synchronization=True)
+            self._groups[key] = shared_group(key[1:], "ranks", self.timeout, generation=self._generation)
         return self._groups[key]
 
     def peer_groups(self, *dims: str) -> list[list[int]]:

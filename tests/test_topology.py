@@ -156,9 +156,11 @@ def _parallelize_after_uneven_groups(timeout_s: float, directory: str):
         steps.append(float(pmodel.train_step(batch)))
         # a group made after parallelize: an asynchronous save's own (named by torch 2.14's count)...
         sw.save_checkpoint(f"{directory}/{len(config)}", pmodel, async_=True).wait()
-        across = pmodel.topology.group("pp", "dp")  # ...and one of the topology's (e.g. by a layer's sw.reduce)
+        # ...and a group of its topology's: the first pipeline's stages 0 and 1 or 2 and 3 (a middle
+        # stage and a tied one), the second's dp groups
+        pair = [dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 1]
         value = torch.ones(1)
-        dist.all_reduce(value, group=across)
+        dist.all_reduce(value, group=pmodel.topology.group_of(pair))
         steps.append(float(value))
     return steps
 
@@ -171,4 +173,53 @@ def test_parallelize_after_groups_made_on_some_ranks_only(tmp_path):
     the topology's group made after the tied pipeline does, and on torch 2.14 the save's too."""
     results = sw.testing.run_on_ranks(_parallelize_after_uneven_groups, 4, 20.0, str(tmp_path), timeout=120)
     for loss, members, loss2, members2 in results:
-        assert math.isfinite(loss) and math.isfinite(loss2) and members == members2 == 4.0
+        assert math.isfinite(loss) and math.isfinite(loss2) and members == members2 == 2.0
+
+
+def _models_sharing_groups(timeout_s: float):
+    """Three dp2 x tp2 GPTs in one process, the third with another timeout; the first two
+    trained in alternation."""
+    from torch.distributed.distributed_c10d import _world
+
+    from shardwise.models import GPT, GPTConfig
+
+    def build(timeout: float) -> sw.ParallelModule:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32))
+        return sw.parallelize(model, sw.ParallelConfig(tp=2, timeout_s=timeout), plan="gpt")
+
+    first = build(timeout_s)
+    groups = len(_world.pg_names)
+    second = build(timeout_s)
+    made_by_second = len(_world.pg_names) - groups
+    other = build(timeout_s + 1)
+    dims = [("dp",), ("tp",), ("pp",), ("pp", "dp", "cp", "tp")]
+    shared = [first.topology.group(*d) is second.topology.group(*d) for d in dims]
+    apart = [first.topology.group(*d) is not other.topology.group(*d) for d in dims]
+    controls_apart = first.coordinator.group is not second.coordinator.group
+    optimizers = [sw.build_optimizer(m, torch.optim.AdamW, lr=1e-2) for m in (first, second)]
+    losses = []
+    torch.manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 16))
+        batch = {"input_ids": tokens, "labels": tokens}
+        losses.append([float(m.train_step(batch)) for m in (first, second)])
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    states = [m.full_state_dict() for m in (first, second)]
+    same = all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    return made_by_second, shared, apart, controls_apart, losses, same
+
+
+def test_models_in_one_process_share_their_groups():
+    """A second parallelize of a layout reuses the first one's groups (gloo's keep a thread
+    polling every 10 ms for the life of the process; NCCL's their buffers): it makes only its
+    control group, and the two models train in alternation to the same result. Another timeout
+    gets groups of its own. Fault: shared_groups finding nothing makes the second model's
+    groups again (7 here). (Groups retired after a failure: test_bad_inputs' cases each
+    parallelize after the previous one failed; without retiring, 16 of them fail.)"""
+    for made, shared, apart, controls_apart, losses, same in sw.testing.run_on_ranks(
+            _models_sharing_groups, 4, 30.0, timeout=120):
+        assert made == 1 and all(shared) and all(apart) and controls_apart, (made, shared, apart)
+        assert all(a == b for a, b in losses) and same, losses
