@@ -363,14 +363,12 @@ def _train_cases(cases: list[Case]) -> list[Run]:
     return [train_parallel(c.config, c.factory, c.batches, c.plan, optimizer=c.optimizer, fault=c.fault) for c in cases]
 
 
-# Cases trained in one spawn of ranks. Each parallelize creates its topology's gloo groups, and
-# torch keeps each group's transport thread waking every 10 ms for as long as the process lives
-# (a group cannot be destroyed and made again: a locally synchronized group's name is a hash of
-# its ranks and the count of live groups, so the next one of the same ranks reuses the dead one's
-# rendezvous keys and hangs in new_group, seen here). Ranks are processes sharing the machine's
-# cores, so by the 20th case of one spawn ~600 threads per rank poll and a case runs 3-10x
-# slower than alone (test_expert_parallel_parity: 31 cases, 98 s; the last 8 alone, 13 s).
-# A spawn costs a few seconds; 8 cases keep the polling threads under ~250 per rank.
+# Cases trained in one spawn of ranks. Each gloo group keeps a transport thread waking every 10 ms
+# for as long as the process lives; ranks are processes sharing the machine's cores. Before
+# topologies shared their groups (shardwise/shared_groups.py), each case made its own, and by the
+# 20th case of one spawn ~600 threads per rank polled and a case ran 3-10x slower than alone. Now
+# a case adds one (its control group). Longer spawns still slow down (test_expert.py: 116 s at 8
+# cases a spawn, 133 s at 16), so 8.
 CASES_PER_SPAWN = 8
 
 
