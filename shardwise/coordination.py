@@ -608,7 +608,8 @@ def _short(exc: BaseException) -> str:
 def world_coordinator(timeout_s: float) -> Coordinator:
     """A coordinator over the default group (which must carry CPU tensors: gloo, or a
     "cpu:gloo,cuda:nccl" default group as `init_distributed` makes)."""
-    return Coordinator(control_group(dist.group.WORLD, timeout_s), timeout_s, retires_shared_groups=True)
+    return Coordinator(control_group(dist.group.WORLD, timeout_s), timeout_s,
+                       retires_shared_groups=control_backend() != "fake")
 
 
 def control_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:

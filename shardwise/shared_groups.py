@@ -1,4 +1,4 @@
-"""Process groups made once per process and shared by every topology that needs the same ranks.
+"""Process groups made once per process and shared by every topology that needs the same ones.
 
 A second `parallelize` in one process (an eval copy, a sweep, a test that trains many layouts)
 asks for the groups the first one made. Making them again would cost each one for as long as
@@ -7,7 +7,8 @@ group, ranks sharing a CPU's cores step 2.4x slower), an NCCL group its communic
 buffers. A group cannot be destroyed and made again either: torch names a locally synchronized
 group by its ranks and a count of live groups, so the new one would reuse a dead one's
 rendezvous keys. So a group is looked up in torch's own registry of this process's groups, by
-its ranks and a description naming its backend and timeout, and made only when none matches.
+its ranks and a description naming its role, backend, timeout and generation, and made only
+when none matches.
 
 Every member decides alike: the members of a group made it together, so each finds it or none
 does. A group in which a collective was abandoned (a rank out of step: a peer skipped it, died
@@ -35,19 +36,18 @@ def _description(role: str, backend: str | None, timeout: timedelta, generation:
 
 def generation(store: Any | None) -> int:
     """How many times shared groups were retired in this world (0 without a store)."""
-    try:
-        return int(store.add(_RETIRED, 0)) if store is not None else 0
-    except (RuntimeError, NotImplementedError):  # a store gone with its world, or one that cannot count
-        return 0
+    return int(store.add(_RETIRED, 0)) if store is not None else 0
 
 
 def retire_shared_groups(store: Any | None) -> None:
-    """Stop every rank's later topologies from sharing the groups made so far."""
+    """Stop every rank's later topologies from sharing the groups made so far. Called while
+    an operation fails: a store that cannot be reached then (its world is ending, and no
+    topology will follow) must not hide that failure."""
     try:
         if store is not None:
             store.add(_RETIRED, 1)
-    except (RuntimeError, NotImplementedError):
-        pass  # the world is ending: no topology will follow
+    except RuntimeError:
+        pass
 
 
 def find_group(ranks: list[int], description: str) -> dist.ProcessGroup | None:

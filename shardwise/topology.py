@@ -184,7 +184,10 @@ class Topology:
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._families: dict[tuple[str, ...], list[list[int]]] = {}  # per-step lookups stay O(1) at any world
         self._around: dict[tuple, list[int]] = {}  # ranks_at's answers
-        self._generation = generation(default_store())  # after parallelize's agreement: alike on every rank
+        # read after parallelize's agreement: alike on every rank (torch's fake world is one
+        # process, and its store cannot count)
+        shares = control_backend() != "fake"
+        self._generation = generation(default_store()) if shares else 0
         per_dim = [self.group(d) for d in MESH_DIMS]
         if self.world_size > 1:  # made now, on every rank alike: steps use it without agreeing first (ZeRO)
             self.group(*MESH_DIMS)
@@ -193,7 +196,7 @@ class Topology:
         )
         # Its own CPU group: agreements of one topology never pair with another's collectives.
         control = dist.new_group(list(range(self.world_size)), timeout=self.timeout, backend=control_backend())
-        self.coordinator = Coordinator(control, self.config.timeout_s, retires_shared_groups=True)
+        self.coordinator = Coordinator(control, self.config.timeout_s, retires_shared_groups=shares)
 
     # coordinates -------------------------------------------------------------------
     pp_rank = _coordinate("pp")
