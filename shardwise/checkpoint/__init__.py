@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..progress import progress
 from ..state import check_state_dict
 from ..tensors import local
-from .regions import _buffers, _group_names, _part, _pieces, _regions
+from .regions import _buffers, _group_names, _part, _pieces, _regions, scalar_state_devices
 from .save import AsyncSave, _attempt, save_checkpoint, wait_for_pending_save
 from .store import Reader, latest
 
@@ -190,8 +190,9 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict, in_pla
         if master is not None and not in_place:
             staged.append((piece.optimized.reshape(-1), master))
         if optimizer is not None:
-            scalars = {k.rsplit("/", 1)[1]: reader.read(k, ()).to(model.device) for k in optim_keys
-                       if not reader.keys[k]["shape"]}
+            steps_on = scalar_state_devices(optimizer, reader.saved["param_groups"], model.device)
+            scalars = {key: reader.read(k, ()).to(steps_on[id(piece.optimized)] if key == "step" else model.device)
+                       for k in optim_keys if not reader.keys[k]["shape"] for key in [k.rsplit("/", 1)[1]]}
             states[id(piece.optimized)] = (piece.optimized, {**{k: _like(piece.optimized, v) for k, v in state.items()},
                                                        **scalars})
     for name, buffer in _buffers(pmodel).items():

@@ -141,7 +141,7 @@ def _as_tensor(name: str, key: str, value: Any) -> torch.Tensor:
 def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
     """Give every piece of `optimizer` its part of the whole state `state_dict` (collective)."""
     from . import _like
-    from .regions import _part, _pieces, _regions
+    from .regions import _part, _pieces, _regions, scalar_state_devices
 
     problem, checked, lines = None, None, ["(an optimizer state this rank refused)"]
     names = _group_names(pmodel, optimizer)  # collective: before anything that may raise on one rank
@@ -157,11 +157,13 @@ def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
         fingerprint_of(lines), lambda: lines, CheckpointError,
         "every rank must load the same optimizer state: read the same file on every rank")])
     with pmodel.coordinator.body("optimizer.load_full_state_dict"), torch.no_grad():
+        steps_on = scalar_state_devices(optimizer, checked["param_groups"], pmodel.topology.device)
         for name, piece in _pieces(pmodel):
             entry, mine = checked["state"].get(name, {}), {}
             for key, value in entry.items():
                 if value.dim() == 0:
-                    mine[key] = value.clone().to(pmodel.topology.device)
+                    where = steps_on[id(piece.optimized)] if key == "step" else pmodel.topology.device
+                    mine[key] = value.clone().to(where)
                     continue
                 flat = torch.empty(piece.end - piece.start, dtype=piece.optimized.dtype, device=pmodel.topology.device)
                 for g, a, b, rect, sub in _regions(pmodel, piece):

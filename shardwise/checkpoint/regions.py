@@ -48,3 +48,16 @@ def _group_names(pmodel, optimizer) -> list[list[str]]:
     return [[pmodel.index.canonical(n) for n, p in pmodel.module.named_parameters() if any(
         piece.optimized is m for piece in pmodel.optimizer_params.pieces.get(id(p), []) for m in g["params"])]
             for g in optimizer.param_groups]
+
+
+def scalar_state_devices(optimizer, loaded_groups: list[dict], device: torch.device) -> dict[int, torch.device]:
+    """id(parameter) -> where a loaded 0-dim `step` goes, as torch's `Optimizer.load_state_dict`
+    decides from the groups being loaded: beside the parameter for a capturable or fused group,
+    else on the CPU. A `step` on a GPU makes every other update read it back with `.item()`:
+    a device sync per parameter per step."""
+    out = {}
+    for group, loaded in zip(optimizer.param_groups, loaded_groups):
+        settings = {**group, **loaded}
+        where = device if settings.get("capturable") or settings.get("fused") else torch.device("cpu")
+        out.update({id(p): where for p in group["params"]})
+    return out
