@@ -49,6 +49,12 @@ def training_step(forward_backward, optimizer):
     return step
 
 
+def synchronize() -> None:
+    """Wait for the device's queued work (a GPU's step returns once its kernels are queued)."""
+    if torch.accelerator.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+        torch.accelerator.synchronize()
+
+
 def timed_rounds(steps: dict[str, Callable[[object], None]], batches: list, rounds: int) -> dict[str, list[float]]:
     """Seconds per step for each implementation, one entry per round; rounds alternate
     between implementations so both see the same machine load, and the order rotates each
@@ -61,10 +67,12 @@ def timed_rounds(steps: dict[str, Callable[[object], None]], batches: list, roun
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             step = steps[name]
+            synchronize()
             dist.barrier()
             start = time.perf_counter()
             for batch in batches:
                 step(batch)
+            synchronize()
             dist.barrier()
             times[name].append((time.perf_counter() - start) / len(batches))
     return times

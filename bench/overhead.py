@@ -23,12 +23,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from common import bench_batches, bench_gpt, bench_parser
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+from common import bench_batches, bench_gpt, bench_parser, synchronize
 
 
 class _Discard:
@@ -41,12 +36,12 @@ class _Discard:
         pass
 
 
-def _timed(step, batches, device) -> float:
-    _synchronize(device)
+def _timed(step, batches) -> float:
+    synchronize()
     start = time.perf_counter()
     for batch in batches:
         step(batch)
-    _synchronize(device)
+    synchronize()
     return (time.perf_counter() - start) / len(batches)
 
 
@@ -88,11 +83,11 @@ def main() -> None:
             block.compile()
     steps = {"plain module": plain_step, "shardwise": sw_step, "metrics on": measured_step}
     for step in steps.values():
-        _timed(step, batches[:3], device)
+        _timed(step, batches[:3])
     times = {name: [] for name in steps}
     for index in range(args.rounds):
         for name in (list(steps) if index % 2 == 0 else list(steps)[::-1]):  # (the shape's FLOPs counted at warm-up)
-            times[name].append(_timed(steps[name], batches, device))
+            times[name].append(_timed(steps[name], batches))
 
     params = sum(p.numel() for p in plain.parameters())
     print(f"overhead: GPT {params / 1e6:.2f} M params ({args.layers} layers, d_model {args.d_model}), "
