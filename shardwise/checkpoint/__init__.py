@@ -169,6 +169,8 @@ def _superseded(path: Path, version: Path | None) -> CheckpointError | None:
 def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict, in_place: bool = False) -> None:
     """Read every value this rank will load, without changing anything yet; `in_place` reads
     parameters straight into the model's tensors (no second copy of this rank's shards)."""
+    steps_on = scalar_state_devices(optimizer, reader.saved["param_groups"], pmodel.topology.device) \
+        if optimizer is not None else {}
     for name, piece in _pieces(pmodel):
         model = piece.model_values()
         value, master = model if in_place else torch.empty_like(model), None
@@ -190,8 +192,8 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict, in_pla
         if master is not None and not in_place:
             staged.append((piece.optimized.reshape(-1), master))
         if optimizer is not None:
-            steps_on = scalar_state_devices(optimizer, reader.saved["param_groups"], model.device)
-            scalars = {key: reader.read(k, ()).to(steps_on[id(piece.optimized)] if key == "step" else model.device)
+            scalars = {key: reader.read(k, ()).to(steps_on.get(id(piece.optimized), model.device) if key == "step"
+                                                  else model.device)
                        for k in optim_keys if not reader.keys[k]["shape"] for key in [k.rsplit("/", 1)[1]]}
             states[id(piece.optimized)] = (piece.optimized, {**{k: _like(piece.optimized, v) for k, v in state.items()},
                                                        **scalars})

@@ -162,7 +162,8 @@ def load_full_optimizer_state(pmodel, optimizer, state_dict: Any) -> None:
             entry, mine = checked["state"].get(name, {}), {}
             for key, value in entry.items():
                 if value.dim() == 0:
-                    where = steps_on[id(piece.optimized)] if key == "step" else pmodel.topology.device
+                    where = steps_on.get(id(piece.optimized), pmodel.topology.device) if key == "step" \
+                        else pmodel.topology.device
                     mine[key] = value.clone().to(where)
                     continue
                 flat = torch.empty(piece.end - piece.start, dtype=piece.optimized.dtype, device=pmodel.topology.device)
