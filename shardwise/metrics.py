@@ -37,7 +37,7 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -99,7 +99,7 @@ class StepMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field and derived number, for loggers (None where not measured)."""
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}  # (asdict deep-copies: a tensor copy per step)
         for name in ("loss", "grad_norm"):
             out[name] = None if out[name] is None else float(out[name])
         for name in ("step_s", "compute_s", "tokens_per_s", "global_tokens_per_s", "mfu"):
