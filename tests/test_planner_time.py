@@ -15,7 +15,7 @@ import torch
 import shardwise as sw
 from shardwise.planner import Cluster, model_spec
 from shardwise.planner.cost import Layout, evaluate
-from shardwise.planner.timing import _overlapped, all_reduce, ring, zero_bubble_share
+from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, zero_bubble_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import planner_published as published  # noqa: E402
@@ -87,6 +87,17 @@ def test_optimizer_step_and_zero_shards():
     # 8B bf16 parameters: read parameters and gradients, write parameters (3 x 2 bytes), moments and master
     # weights read and written (24): 30 bytes each over the H100's HBM
     assert float(whole.optimizer_step) == pytest.approx(spec.params * 30 / 3.35e12, rel=1e-6)
+
+
+def test_zero1_gathers_the_updated_parameters_after_the_step():
+    """ZeRO-1/2 all-gather the updated shards after the optimizer step (shardwise's ZeroOptimizer
+    write_back waits for them there), so that gather is exposed whatever the backward's length;
+    only the gradients' reduce-scatter overlaps the last backward."""
+    cluster, spec = Cluster(64, device="h100"), model_spec("llama3-8b")
+    gather = ring(cluster, 64, spec.params * 2, 64)  # bf16 parameters (and gradients): a ring over 64 shards
+    for zero in (1, 2):  # a long backward: the reduce-scatter overlaps it and costs OVERLAP_COST of itself
+        terms = _terms(cluster=cluster, dp=64, zero=zero, micro_batch=8, microbatches=4)
+        assert float(terms.dp_comm) >= float(gather) + OVERLAP_COST * float(gather) > 0
 
 
 def test_zero3_gathers_hide_behind_big_microbatches():

@@ -19,7 +19,8 @@ microbatch, 6 under full recompute); context-parallel K/V exchanges and expert a
 neither. Pipeline p2p is paid per microbatch on each of a rank's boundaries, forward and
 backward, and again through the fill and drain. The bubble is (p-1)/(v·m) of the pipelined
 time (zero-bubble fills part of it with deferred weight gradients: `zero_bubble_share`). The gradient
-reduction overlaps the last microbatch's backward; ZeRO-3's per-block gathers (forward,
+reduction overlaps the last microbatch's backward (ZeRO-1/2's all-gather of the updated
+parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed. The optimizer step streams the rank's
 shard of parameters, gradients, moments and master weights through HBM once.
@@ -164,12 +165,14 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     grad_bytes = rank_params * L.grad_bytes
     span = L.tp * shards
     last_backward = 2 / 3 * (compute + recompute) / L.microbatches
-    # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter, then the parameters' all-gather),
-    # one collective per bucket, each paying its own latency
+    # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter), one collective per bucket, each
+    # paying its own latency
     buckets = np.maximum(np.ceil(grad_bytes / memory.bucket), 1)
     reduce = np.where(L.zero == 0, buckets * all_reduce(cluster, shards, grad_bytes / buckets, span),
-                      buckets * ring(cluster, shards, grad_bytes / buckets, span)
-                      + ring(cluster, shards, rank_params * L.param_bytes, span))
+                      buckets * ring(cluster, shards, grad_bytes / buckets, span))
+    # ZeRO-1/2: the updated shards' all-gather runs after the optimizer step, with nothing to hide behind
+    gather_after_step = np.where((L.zero == 1) | (L.zero == 2), ring(cluster, shards, rank_params * L.param_bytes, span),
+                                 0.0)
     # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and a
     # gradient reduce-scatter during its backward, each hidden behind that block's compute
     per_block = rank_params / np.maximum(busiest_blocks, 1)
@@ -178,7 +181,7 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     forward = block + recompute / np.maximum(L.microbatches * busiest_blocks, 1)
     exposed3 = _overlapped(gather, forward) + _overlapped(gather + scatter, 2 * block)
     zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather)
-    dp_comm = np.where(L.zero == 3, zero3, _overlapped(reduce, last_backward))
+    dp_comm = np.where(L.zero == 3, zero3, _overlapped(reduce, last_backward) + gather_after_step)
 
     # Adam on this rank's shard: parameters and gradients read, moments and float32 master
     # weights read and written, parameters written
