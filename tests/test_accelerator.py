@@ -1,7 +1,8 @@
 """The machine's own device: a world of one process on it trains as one plain CPU process does.
 
-Where CUDA is available the rank runs on the GPU with NCCL (the backend `init_distributed`
-picks there), the tensors, streams and communicators a GPU user's run goes through; elsewhere
+Where CUDA is available the rank runs on the GPU with NCCL (its CPU agreements on a gloo
+control group, as under `init_distributed`'s "cpu:gloo,cuda:nccl"), the tensors, streams and
+communicators a GPU user's run goes through; elsewhere
 on the CPU with gloo, so this test runs, and can fail, on every machine. One process: NCCL wants
 a GPU per rank, and the suite's layouts of several ranks run on gloo (tests/parity.py).
 
