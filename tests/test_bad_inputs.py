@@ -503,6 +503,8 @@ PLANNER = {  # each was accepted and planned nonsense before (issue 26)
     "model spec with no heads": Case(lambda: _spec(heads=0), "ConfigError", "ModelSpec(heads=0) must be a positive"),
     "model spec with an unknown mlp": Case(lambda: _spec(mlp="relu"), "ConfigError", "mlp is 'gelu' or 'swiglu'"),
     "gpus_per_node bool": Case(cluster(gpus_per_node=True), "ConfigError", "gpus_per_node=True must be a positive"),
+    "nics_per_node zero": Case(cluster(nics_per_node=0), "ConfigError", "nics_per_node=0 must be a positive integer"),
+    "nics_per_node float": Case(cluster(nics_per_node=2.0), "ConfigError", "nics_per_node=2.0 must be a positive integer"),
     "memory_fraction nan": Case(cluster(memory_fraction=float("nan")), "ConfigError", "memory_fraction=nan must be"),
     "memory_fraction 1.5": Case(cluster(memory_fraction=1.5), "ConfigError", "memory_fraction=1.5 must be in (0, 1]"),
     "global_batch zero": Case(search(global_batch=0), "ConfigError", "global_batch=0 must be a positive integer"),

@@ -58,6 +58,17 @@ def test_cross_node_bandwidth_counts_the_groups_members_per_node():
     assert float(c.bandwidth(64, 64)) == min(8 * nic, nvlink)
 
 
+def test_cross_node_bandwidth_stops_at_the_nodes_nics():
+    """Nodes with fewer NICs than GPUs (or an executor whose collectives cross on fewer) give a
+    group at most `nics_per_node` rings across nodes: 2 NICs cap an 8-member group at 2 NICs'
+    rate, leave a one-member group at one; inside a node NVLink is untouched."""
+    two, one = Cluster(64, device="a100", nics_per_node=2), Cluster(64, device="a100", nics_per_node=1)
+    nic, nvlink = two.spec.inter_node_bw, two.spec.intra_node_bw
+    assert float(two.bandwidth(64, 64)) == 2 * nic and float(two.bandwidth(64, 16)) == 2 * nic
+    assert float(two.bandwidth(64, 8)) == nic and float(two.bandwidth(8, 8)) == nvlink
+    assert float(one.bandwidth(64, 64)) == nic
+
+
 def test_float32_runs_at_float32_rates():
     """torch's default float32 matmuls do not use tensor cores: the matmul time scales by the
     device's bf16/fp32 peak ratio (14.8 on an H100), the elementwise traffic by the bytes (2):

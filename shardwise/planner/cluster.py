@@ -9,7 +9,8 @@ cost (`matmul_overhead`) and the traffic of a block's elementwise ops (`elementw
 on part of bench/planner_published.py's corpus of published runs (the rest shows how they
 generalise).
 Any of them can be overridden: `Cluster(gpus=64, device="h100", inter_node_bw=25e9)`, or the
-fitted ones to a machine's own runs.
+fitted ones to a machine's own runs. `nics_per_node` says how many NICs a node's cross-node
+traffic spreads over (DGX-style nodes: one per GPU, the default).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Device:
     memory_bytes: float
     peak_flops: float  # dense bf16 (the local CPU's: float32)
     intra_node_bw: float  # bytes/s per GPU inside a node (NVLink), one direction
-    inter_node_bw: float  # bytes/s per GPU between nodes (InfiniBand / RoCE), one direction
+    inter_node_bw: float  # bytes/s per NIC between nodes (InfiniBand / RoCE), one direction; one NIC per GPU
     fp32_flops: float = 0.0  # plain float32 (torch's default matmul precision, no TF32); 0: peak_flops
     hbm_bw: float = 1e12  # bytes/s of device memory
     gemm_efficiency: float = 0.6  # of the peak, a large matmul inside a training step (calibrated)
@@ -59,7 +60,10 @@ DEVICES = {
 class Cluster:
     """`gpus` devices of kind `device`, `gpus_per_node` per node; None fields come from
     the device table. `memory_fraction` of each device's memory is usable (the rest is the
-    runtime's, the allocator's fragmentation and the framework's buffers)."""
+    runtime's, the allocator's fragmentation and the framework's buffers). `nics_per_node`:
+    the NICs of `inter_node_bw` each that one collective's cross-node rings can use at once
+    (None: one per GPU; fewer where nodes have fewer NICs, or where an executor's collectives
+    cross on fewer, as DeepSpeed's ZeRO-3 did in bench/planner_published.py)."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -73,6 +77,7 @@ class Cluster:
     matmul_overhead: float | None = None
     elementwise: float | None = None
     memory_fraction: float = 0.9
+    nics_per_node: int | None = None  # NICs a collective's cross-node bytes spread over; None: one per GPU
     spec: Device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +96,9 @@ class Cluster:
                                   f"{self.device!r} table's value)")
         if self.gemm_efficiency is not None and self.gemm_efficiency > 1:
             raise ConfigError(f"gemm_efficiency={self.gemm_efficiency!r} is a fraction of the peak, at most 1")
+        if self.nics_per_node is not None and (not isinstance(self.nics_per_node, int)
+                                               or isinstance(self.nics_per_node, bool) or self.nics_per_node < 1):
+            raise ConfigError(f"nics_per_node={self.nics_per_node!r} must be a positive integer (or None: one per GPU)")
         if not _positive(self.memory_fraction) or self.memory_fraction > 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]: the share of each "
                               "device's memory a run may use (0.9 leaves 10% to the runtime)")
@@ -107,11 +115,13 @@ class Cluster:
     def bandwidth(self, group_span, members=1):
         """Per-GPU bandwidth of a collective over `members` ranks spanning `group_span`
         consecutive ranks (arrays or numbers): NVLink's while they fit in a node; across nodes
-        the network's, times the group's members in each node (NCCL runs a ring per NIC, so a
-        node's members share the cross-node bytes over their NICs), at most NVLink's."""
+        one NIC's, times the group's members in each node up to the node's NICs (NCCL runs a
+        ring per NIC, so a node's members share the cross-node bytes over their NICs), at most
+        NVLink's."""
         span, members = np.asarray(group_span), np.asarray(members)
         per_node = np.maximum(members * self.gpus_per_node / np.maximum(span, 1), 1)
-        across = np.minimum(self.spec.inter_node_bw * per_node, self.spec.intra_node_bw)
+        nics = self.gpus_per_node if self.nics_per_node is None else self.nics_per_node
+        across = np.minimum(self.spec.inter_node_bw * np.minimum(per_node, nics), self.spec.intra_node_bw)
         return np.where(span <= self.gpus_per_node, self.spec.intra_node_bw, across)
 
     def latency(self, group_span):
