@@ -287,14 +287,16 @@ def _plan_model(name: str):
 @click.option("--gpus", required=True, type=POSITIVE, help="GPUs (or local ranks with --device local).")
 @click.option("--device", default="h100", show_default=True, help="h100, h200, a100, b200 or local.")
 @click.option("--gpus-per-node", default=8, show_default=True, type=POSITIVE)
+@click.option("--nics-per-node", default=None, type=POSITIVE,
+              help="NICs a node's cross-node collectives spread over. [default: one per GPU]")
 @click.option("--seq", "seq_len", required=True, type=POSITIVE, help="Tokens per sequence.")
 @click.option("--global-tokens", default=None, help="Tokens per optimizer step, e.g. 16M.")
 @click.option("--global-batch", default=None, type=POSITIVE, help="Sequences per optimizer step.")
 @click.option("--top", default=10, show_default=True, type=POSITIVE)
 @click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON.")
 @click.option("--explain", "explain_first", is_flag=True, help="Also print the best candidate's breakdown.")
-def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: int, global_tokens: str | None,
-         global_batch: int | None, top: int, as_json: bool, explain_first: bool) -> None:
+def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, nics_per_node: int | None, seq_len: int,
+         global_tokens: str | None, global_batch: int | None, top: int, as_json: bool, explain_first: bool) -> None:
     """Rank the layouts of a model on a cluster by predicted step time, among those predicted to fit."""
     import json
 
@@ -304,7 +306,8 @@ def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, seq_len: i
 
     if (global_tokens is None) == (global_batch is None):
         raise click.UsageError("give one of --global-tokens and --global-batch")
-    cluster = Cluster.local(gpus) if device == "local" else Cluster(gpus, gpus_per_node=gpus_per_node, device=device)
+    cluster = Cluster.local(gpus) if device == "local" else Cluster(gpus, gpus_per_node=gpus_per_node, device=device,
+                                                                    nics_per_node=nics_per_node)
     result = search(_plan_model(model_name), cluster, global_batch=global_batch, seq_len=seq_len,
                     global_tokens=_count(global_tokens) if global_tokens else None, top=top, progress=not as_json)
     if as_json:

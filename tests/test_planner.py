@@ -186,6 +186,10 @@ def test_plan_command():
     rows = json.loads(out.output)
     assert len(rows) == 2 and rows[0]["step_seconds"] <= rows[1]["step_seconds"]
     assert rows[0]["dp"] * rows[0]["tp"] * rows[0]["pp"] * rows[0]["cp"] == 64
+    one_nic = runner.invoke(main, ["plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-tokens",
+                                   "4M", "--top", "1", "--json", "--nics-per-node", "1"])
+    assert one_nic.exit_code == 0, one_nic.output  # a node's one NIC carries what eight did: slower
+    assert json.loads(one_nic.output)[0]["step_seconds"] > rows[0]["step_seconds"]
     out = runner.invoke(main, ["plan", "--model", "parity:make_gpt", "--gpus", "4", "--device", "local", "--seq", "32",
                                "--global-batch", "8", "--top", "1", "--json"])  # a factory, built on the meta device
     assert out.exit_code == 0, out.output
