@@ -34,6 +34,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
+from shardwise.config import SCHEDULES
 from shardwise.models import GPT, CausalLM, GPTConfig
 from shardwise.planner import Cluster, model_spec, search
 from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES, Layout, evaluate
@@ -111,7 +112,8 @@ def _cost(options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: in
     config = sw.ParallelConfig(**options).resolve(world)
     layout = Layout(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
                     recompute=RECOMPUTE_CODES[config.recompute], sp=int(config.sequence_parallel), micro_batch=micro,
-                    microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule], virtual=1,
+                    microbatches=config.microbatches, schedule=SCHEDULE_CODES[config.schedule],
+                    virtual=2 if SCHEDULES[config.schedule].interleaved else 1,  # the executor's default
                     param_bytes=config.param_dtype.itemsize if config.param_dtype else 4, ep=config.ep,
                     reduce_bytes=config.reduce_dtype.itemsize if config.reduce_dtype else 0,
                     bucket_bytes=config.bucket_mb * 2 ** 20)
@@ -213,7 +215,9 @@ def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[s
 
 
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
-                ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})]
+                ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
+    ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)]
 
 
 BIG_WORLD = 64

@@ -118,6 +118,42 @@ def _brute_force(spec, cluster, global_batch, seq_len):
     return min((float(t) / (global_batch * seq_len), float(m)) for t, m in zip(cost.step_seconds[fits], cost.memory[fits]))
 
 
+def _torch_stage_microbatches_held(schedule: str, p: int, v: int, m: int) -> int:
+    """The most stage-microbatches any rank of torch's own order holds: forward run, weight
+    gradients not yet (a zero-bubble input backward keeps the graph for the weight backward)."""
+    from torch.distributed.pipelining import schedules
+
+    class Stage:  # what the schedule reads of its stages to build the order
+        def __init__(self, index):
+            self.submod, self.group_size, self.group_rank = torch.nn.Identity(), p, 0
+            self.num_stages, self.stage_index, self.has_backward = p * v, index, True
+            self.is_first, self.is_last = index == 0, index == p * v - 1
+
+    cls = {"interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+           "zero-bubble": schedules.ScheduleInterleavedZeroBubble}[schedule]
+    kinds = schedules._ComputationType
+    most = 0
+    for actions in cls([Stage(i * p) for i in range(v)], m).pipeline_order.values():
+        held = 0
+        for action in filter(None, actions):
+            held += {kinds.FORWARD: 1, kinds.FULL_BACKWARD: -1, kinds.BACKWARD_WEIGHT: -1}.get(action.computation_type, 0)
+            most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_pipeline_activations_in_flight_are_torchs_order(schedule):
+    """The activations the planner holds in flight are the most torch's own order keeps on a
+    rank, for every shape the search tries (m a multiple of p): interleaved 1F1B (v-1)p + 2(p-1)
+    + 1 stage-microbatches, zero-bubble p v."""
+    from shardwise.planner.cost import SCHEDULE_CODES, in_flight
+
+    for p, v, k in itertools.product((2, 4, 8), (2, 4), (1, 2, 3)):
+        layout = Layout(dp=1, tp=1, pp=p, cp=1, zero=0, recompute=0, sp=0, micro_batch=1, microbatches=k * p,
+                        schedule=SCHEDULE_CODES[schedule], virtual=v, param_bytes=2)
+        assert float(in_flight(layout)) * v == _torch_stage_microbatches_held(schedule, p, v, k * p), (p, v, k * p)
+
+
 def test_search_finds_the_brute_force_best_and_explains_it():
     spec, cluster = model_spec("llama3-8b"), Cluster(16, device="h100")
     result = search(spec, cluster, global_batch=32, seq_len=4096, top=3)

@@ -326,12 +326,13 @@ class Pipeline:
                 schedule = cls(stages, self.microbatches, loss_fn=lambda loss, target: self._microbatch_loss(
                     loss, target[0]), scale_grads=False) if training else cls(stages, self.microbatches)
             if self.schedule_name != "zero-bubble":  # a whole backward: our runner (runner.py)
-                rank = self.topology.pp_rank
-                steps = single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) if single \
-                    else steps_of(schedule.pipeline_order[rank])
-                steps = [step for step in steps if training or step.forward]
-                schedule = OrderRunner(steps, [RunnerStage(st.stage_index, st.submod, *stage_metas(*compiled.examples[
-                    st.stage_index])) for st in stages], self.layout.num_stages, self.owner, self.group, self.device)
+                orders = {rank: [step for step in (
+                    single_stage_steps(self.schedule_name, rank, self.layout.pp, self.microbatches) if single
+                    else steps_of(schedule.pipeline_order[rank])) if training or step.forward]
+                    for rank in range(self.layout.pp)}
+                schedule = OrderRunner(orders, self.topology.pp_rank, [RunnerStage(
+                    st.stage_index, st.submod, *stage_metas(*compiled.examples[st.stage_index])) for st in stages],
+                    self.layout.num_stages, self.owner, self.group, self.device)
             compiled.schedules[training] = schedule
         return compiled.schedules[training]
 
