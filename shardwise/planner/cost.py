@@ -19,7 +19,8 @@ flight and the embedding, or the last, which keeps the logits):
   keep, times the microbatches a pipeline schedule holds at once;
 - buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (the peak inside
-  a step, measured by bench/planner.py's in-step peak).
+  a step, measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the
+  sends it keeps until the step ends.
 
 Time: planner/timing.py, term by term (compute as a roofline per matmul, α-β collectives,
 pipeline p2p per microbatch and the bubble, exposed data-parallel and ZeRO-3 traffic, the
@@ -168,12 +169,27 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
 
 def in_flight(layout: Layout) -> np.ndarray:
     """Microbatches' worth of this rank's activations the first pipeline rank holds at its
-    peak: GPipe all m; 1F1B min(m, p); torch's interleaved schedules warm up (v-1)p + 2(p-1)
-    stage-microbatches before the first backward, each 1/v of the rank's blocks."""
+    peak: GPipe all m; 1F1B min(m, p); torch's interleaved 1F1B warms up (v-1)p + 2(p-1)
+    stage-microbatches before the first backward, each 1/v of the rank's blocks; its
+    zero-bubble order holds p v at most on every rank (a stage-microbatch's graph lives until
+    its weight backward): min(m, p). tests/test_planner.py counts torch's orders."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual
     interleaved = np.minimum(m * v, (v - 1) * p + 2 * (p - 1) + 1) / v
-    held = np.select([layout.schedule == 0, layout.schedule == 1], [m, np.minimum(m, p)], interleaved)
+    held = np.select([layout.schedule == 0, layout.schedule == 1, layout.schedule == 3],
+                     [m, np.minimum(m, p), np.minimum(m, p)], interleaved)
     return np.where(p == 1, 1, held)
+
+
+def last_rank_in_flight(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(microbatches' worth of the last pipeline rank's blocks, of its head's tensors) it holds
+    at its peak: one under GPipe's and 1F1B's single stage (its backward follows each forward);
+    interleaved 1F1B's final stage also holds one, its other v-1 stages p each ((v-1)p + 1
+    stage-microbatches); zero-bubble holds min(m, p) of every stage, the final one's included."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    p_or_m = np.minimum(m, p)
+    blocks = np.select([layout.schedule == 2, layout.schedule == 3], [(p_or_m * (v - 1) + 1) / v, p_or_m], 1.0)
+    head = np.where(layout.schedule == 3, p_or_m, 1.0)
+    return np.where(p == 1, 1, blocks), np.where(p == 1, 1, head)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -263,10 +279,23 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_last * block + end_last
     held = in_flight(L)
+    held_blocks, held_head = last_rank_in_flight(L)
+    held_first = held * act_first
+    held_last = layers_last * block * held_blocks + end_last * held_head
+    # zero-bubble: a stage-microbatch whose weight backward is deferred also keeps the gradients
+    # of its linear layers' outputs; at the peak of torch's order pipeline rank r has r + 1 such
+    # (tests/test_planner.py), each 1/v of the rank's blocks
+    ups = 2 if spec.mlp == "swiglu" else 1
+    kv_width = spec.kv_heads * spec.hidden / spec.heads
+    linear_outputs = ((spec.hidden + 2 * kv_width + ups * spec.ffn) / L.tp + 2 * spec.hidden) * tokens * L.param_bytes
+    deferred = (L.schedule == 3) & (L.pp > 1)
+    held_first = held_first + np.where(deferred, layers_first / L.virtual * linear_outputs, 0.0)
+    held_last = held_last + np.where(deferred, np.minimum(L.microbatches, L.pp) * layers_last / L.virtual
+                                     * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
-    use_last = (L.pp > 1) & (sum(last) + act_last > sum(first) + held * act_first)
+    use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
-    activations = np.where(use_last, act_last, held * act_first)
+    activations = np.where(use_last, held_last, held_first)
     block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
     # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
@@ -281,7 +310,11 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
     filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * block_bytes / L.param_bytes * L.grad_bytes,
                                                      window], 0.0)
-    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + np.minimum(filling, rank_bytes)
+    # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
+    # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
+    hop_bytes = tokens * spec.hidden * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
+    sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * hop_bytes, 0.0)
+    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + np.minimum(filling, rank_bytes) + sent
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last, layers_first, layers_last, bucket)
 
