@@ -210,7 +210,9 @@ def test_a_pipelines_peak_does_not_grow_with_its_microbatches():
     in-step peak (torch's profiler, bench/planner.py) at m=16 is the peak at m=4 (both past the
     warm-up; a few bytes of per-microbatch bookkeeping aside). Holding each sent activation and
     input gradient until the step's end added one (microbatch x seq x width) float32 tensor per
-    microbatch and boundary: 12 x 128 KiB on the first rank; the bound is one."""
+    microbatch and boundary: 12 x 128 KiB on the first rank. The bound is 4 of them: gloo's
+    worker thread lets go of a send's tensor a moment after its wait returns, so a run may
+    see the last sends of a step (one per direction and rank) still alive at its peak."""
     import sys
     from pathlib import Path
 
@@ -220,4 +222,4 @@ def test_a_pipelines_peak_does_not_grow_with_its_microbatches():
     cases = [("gpt", {"pp": 2, "microbatches": m}) for m in (4, 16)]
     one = bench.MICRO * bench.SEQ * bench.WIDTH * 4
     for (_, few), (_, many) in sw.testing.run_on_ranks(bench.measure_peak, 2, cases):
-        assert many - few < one, f"the peak grew by {many - few} bytes from 4 to 16 microbatches"
+        assert many - few < 4 * one, f"the peak grew by {many - few} bytes from 4 to 16 microbatches"
