@@ -395,3 +395,16 @@ def compare_cases(world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
             for key, value in ratios.items():
                 worst.setdefault(case.name, {})[key] = max(worst.get(case.name, {}).get(key, 0.0), value)
     return worst
+
+
+def torch_pipeline_order(schedule: str, p: int, v: int, m: int) -> dict[int, list]:
+    """torch's own action order per pipeline rank for `schedule` (an interleaved one of
+    sw.config.SCHEDULES) with v stages per rank and m microbatches, built from stand-in stages
+    (only what the schedule class reads of them): no process group, no model."""
+    class Stage:
+        def __init__(self, index):
+            self.submod, self.group_size, self.group_rank = torch.nn.Identity(), p, 0
+            self.num_stages, self.stage_index, self.has_backward = p * v, index, True
+            self.is_first, self.is_last = index == 0, index == p * v - 1
+
+    return sw.config.SCHEDULES[schedule].torch_class([Stage(i * p) for i in range(v)], m).pipeline_order

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from parity import Case, compare_cases, gpt_batches, make_gpt, run_and_compare
+from parity import Case, compare_cases, gpt_batches, make_gpt, run_and_compare, torch_pipeline_order
 from shardwise.parallel.pipeline.program import capture_module
 from shardwise.plan.stages import balance, layout_stages
 
@@ -157,14 +157,7 @@ def _orders(schedule: str, p: int, v: int, m: int) -> dict[int, list]:
 
     if schedule in ("gpipe", "1f1b"):
         return {rank: single_stage_steps(schedule, rank, p, m) for rank in range(p)}
-
-    class Stage:  # what torch's schedule reads of its stages to build the order
-        def __init__(self, index):
-            self.submod, self.group_size, self.group_rank = torch.nn.Identity(), p, 0
-            self.num_stages, self.stage_index, self.has_backward = p * v, index, True
-            self.is_first, self.is_last = index == 0, index == p * v - 1
-
-    order = sw.config.SCHEDULES[schedule].torch_class([Stage(i * p) for i in range(v)], m).pipeline_order
+    order = torch_pipeline_order(schedule, p, v, m)
     return {rank: steps_of(order[rank]) for rank in range(p)}
 
 

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import shardwise as sw
-from parity import Run, _full, assert_parity, make_gpt, optimizer_for, reference_run
+from parity import Run, _full, assert_parity, make_gpt, optimizer_for, reference_run, torch_pipeline_order
 from shardwise.cli import main
 from shardwise.config import divisors
 from shardwise.errors import ConfigError, ModelError
@@ -136,17 +136,9 @@ def _torch_stage_microbatches_held(schedule: str, p: int, v: int, m: int) -> lis
     backward)."""
     from torch.distributed.pipelining import schedules
 
-    class Stage:  # what the schedule reads of its stages to build the order
-        def __init__(self, index):
-            self.submod, self.group_size, self.group_rank = torch.nn.Identity(), p, 0
-            self.num_stages, self.stage_index, self.has_backward = p * v, index, True
-            self.is_first, self.is_last = index == 0, index == p * v - 1
-
-    cls = {"interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
-           "zero-bubble": schedules.ScheduleInterleavedZeroBubble}[schedule]
     kinds = schedules._ComputationType
     most = []
-    for rank, actions in sorted(cls([Stage(i * p) for i in range(v)], m).pipeline_order.items()):
+    for rank, actions in sorted(torch_pipeline_order(schedule, p, v, m).items()):
         held = 0
         most.append(0)
         for action in filter(None, actions):

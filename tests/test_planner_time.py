@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from parity import torch_pipeline_order
 from shardwise.planner import Cluster, model_spec
 from shardwise.planner.cost import Layout, evaluate
 from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, zero_bubble_share
@@ -150,15 +151,7 @@ def test_full_recompute_reruns_the_blocks_forward():
 def _torch_zero_bubble_fraction(p: int, v: int, m: int) -> float:
     """The bubble of torch's ScheduleInterleavedZeroBubble from its own action order, every
     action (forward, input backward, weight backward) one unit long."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
-
-    class Stage:  # what the schedule reads of its stages to build the order
-        def __init__(self, index):
-            self.submod, self.group_size, self.group_rank = torch.nn.Identity(), p, 0
-            self.num_stages, self.stage_index, self.has_backward = p * v, index, True
-            self.is_first, self.is_last = index == 0, index == p * v - 1
-
-    order = ScheduleInterleavedZeroBubble([Stage(i * p) for i in range(v)], m).pipeline_order
+    order = torch_pipeline_order("zero-bubble", p, v, m)
     slots = max(len(actions) for actions in order.values())
     return slots / (3 * m * v) - 1
 

@@ -39,7 +39,7 @@ from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
-from .timing import step_times
+from .timing import boundary_bytes, step_times
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
@@ -312,8 +312,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
                                                      window], 0.0)
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
-    hop_bytes = tokens * spec.hidden * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
-    sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * hop_bytes, 0.0)
+    sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens),
+                    0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + np.minimum(filling, rank_bytes) + sent
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last, layers_first, layers_last, bucket)

@@ -107,6 +107,12 @@ def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
     return _gemm(cluster, tokens, vocab, spec.hidden, L.param_bytes) + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw
 
 
+def boundary_bytes(spec: ModelSpec, L, tokens):
+    """Bytes of one microbatch's activation crossing a pipeline stage boundary (`tokens` on this
+    rank): sharded over tp under sequence parallelism, whole on every tp rank without."""
+    return tokens * spec.hidden * L.param_bytes / np.where(L.sp == 1, L.tp, 1)
+
+
 def zero_bubble_share(weight_share):
     """The share of 1F1B's bubble a zero-bubble schedule leaves: ZB-H1 (arXiv 2401.10241), what
     torch's ScheduleInterleavedZeroBubble orders, leaves (p-1)(F + I - W) of 1F1B's (p-1)(F + I
@@ -153,8 +159,7 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
         ep_comm = busiest_blocks * L.microbatches * 4 * ring(cluster, L.ep, slot_bytes, L.tp * L.cp * L.ep)
     else:
         ep_comm = np.zeros_like(tokens)
-    hop_bytes = act_bytes / np.where(L.sp == 1, L.tp, 1)
-    hop = cluster.latency(world) + hop_bytes / cluster.bandwidth(world)  # stages are the outermost ranks
+    hop = cluster.latency(world) + boundary_bytes(spec, L, tokens) / cluster.bandwidth(world)  # stages are the outermost ranks
     pp_comm = np.where(L.pp > 1, 2 * L.virtual * (L.microbatches + L.pp - 1) * hop, 0.0)
 
     pipelined = compute + recompute + tp_comm + cp_comm + ep_comm
