@@ -44,6 +44,7 @@ from .timing import boundary_bytes, step_times
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
 FLOAT32 = 4
+SCORES_KEPT = 5  # bytes per attention score materialized attention keeps for backward (2-byte activations)
 
 
 @dataclass
@@ -107,9 +108,10 @@ class Cost:
                 + self.dp_comm + self.optimizer_step)
 
 
-def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1):
+def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1, seq_len=0):
     """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
-    (see tests/test_activations.py for the derivation of each coefficient)."""
+    (see tests/test_activations.py for the derivation of each coefficient), sequences of
+    `seq_len` (what materialized attention's scores need)."""
     h = spec.hidden
     sbh = tokens * h
     kv = spec.kv_heads / spec.heads
@@ -123,6 +125,13 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     else:
         norm_bytes, stats = 2 * act_bytes, 4 * FLOAT32
     lse = np.where(cp > 1, 0.0, spec.heads * tokens * FLOAT32)  # cp recomputes attention in backward
+    if spec.attention == "materialized":
+        # no log-sum-exp; softmax's output, dropout's mask and output per score (Korthikanti et al.'s
+        # 5as/h, at 2-byte activations): kept without recompute, recomputed under selective
+        lse = 0.0
+        scores = SCORES_KEPT * act_bytes / 2 * tokens * seq_len * spec.heads / tp
+    else:
+        scores = 0.0
     split = (tp == 1) | (sp == 1)
     none = np.where(split,
                     (norm_bytes * sbh + (attention + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
@@ -147,7 +156,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
         none = none + kept_none * routed
         selective = selective + kept_selective * routed
     full = np.where(sp == 1, act_bytes * sbh / tp, act_bytes * sbh)
-    return np.select([recompute == 0, recompute == 1], [none, selective], full)
+    return np.select([recompute == 0, recompute == 1], [none + scores, selective], full)
 
 
 def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
@@ -274,7 +283,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
 
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
-    block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes, L.ep)
+    block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes, L.ep, seq_len)
     end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes)
     act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_last * block + end_last

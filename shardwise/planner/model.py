@@ -32,6 +32,9 @@ class ModelSpec:
     experts has `experts` per layer, `top_k` of them per token, and `expert_params` per layer
     (all its experts, of width `ffn` each; tp leaves them whole, ep splits them); its
     `layer_params` are the rest of a block (attention, norms, router, a shared expert).
+    `attention` is "flash" (one fused kernel that never writes the scores: torch's SDPA on
+    GPUs, flash attention) or "materialized" (the scores of the whole s x s square written,
+    softmaxed and dropped out in memory, as Megatron-LM ran before 2023).
     """
 
     name: str
@@ -51,8 +54,12 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 0
     expert_params: int = 0
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        if self.attention not in ("flash", "materialized"):
+            raise ConfigError(f"ModelSpec(attention={self.attention!r}) is 'flash' (a fused kernel: torch's SDPA, flash "
+                              "attention) or 'materialized' (the s x s scores written to memory)")
         for name in ("experts", "top_k", "expert_params"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
