@@ -12,9 +12,12 @@ reached there.
 The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-scaling table,
 every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
 runs) fixes the planner's fitted numbers (shardwise/planner/cluster.py: each device's
-`gemm_efficiency`, the shared `matmul_overhead` and `elementwise`); the other 39 are held
-out and show how the model generalises to other sizes, layouts and executors. `--fit`
-prints the numbers that fit the calibration part best.
+`gemm_efficiency`, the shared `matmul_overhead` and `elementwise`) and Megatron-LM's own
+elementwise traffic (its fused kernels: `MEGATRON_EXECUTOR`); the other 39 are held out and
+show how the model generalises to other sizes, layouts and executors. `--fit` prints the
+numbers that fit the calibration part best. Megatron-LM's runs (2021-2022) materialized
+attention's scores (`ModelSpec.attention`); the search's own picks run as shardwise does, with
+torch's SDPA.
 
 Run: python bench/planner_published.py [--fit] [--no-search]
 """
@@ -40,7 +43,9 @@ FP32 = torch.float32
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 SOURCES = {
     "megatron-t1": "Narayanan et al., SC21 (arXiv 2104.04473), Table 1: weak scaling, A100 80 GB, seq 2048, "
-                   "V 51200; step = eq. 3's FLOPs (with recompute) / (GPUs x achieved TFLOP/s)",
+                   "V 51200; step = eq. 3's FLOPs (with recompute) / (GPUs x achieved TFLOP/s); microbatch sizes "
+                   "and interleaving from Megatron-LM's examples/academic_paper_scripts/sc21/run_table_1.sh (as kept "
+                   "in sail-sg/zero-bubble-pipeline-parallelism at 39f2c186)",
     "megatron-t2": "Narayanan et al., SC21 (arXiv 2104.04473), Table 2: ZeRO-3 without model parallelism vs PTD-P, "
                    "175B and 530B GPT; step as Table 1",
     "korthikanti": "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5: end-to-end iteration time, "
@@ -54,9 +59,16 @@ SOURCES = {
 }
 
 
+# Megatron-LM's fused kernels (LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax) move fewer values
+# per token and hidden unit than eager PyTorch's ops (the device table's `elementwise`): fitted with the rest
+# (`--fit`), on its runs of the calibration part.
+MEGATRON_EXECUTOR = dict(elementwise=24.0)
+
+
 def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
-    """Megatron's GPT: learned positions (2048), GELU MLP of 4h, LayerNorm, tied head, V 51200."""
-    return gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048)
+    """Megatron's GPT: learned positions (2048), GELU MLP of 4h, LayerNorm, tied head, V 51200;
+    attention materialized (flash attention came to Megatron-LM in 2023)."""
+    return replace(gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048), attention="materialized")
 
 
 def megatron_flops(spec: ModelSpec, batch: int, seq: int) -> float:
@@ -107,20 +119,24 @@ class Run:
 def corpus() -> list[Run]:
     runs = []
     a100 = lambda gpus: Cluster(gpus, device="a100")  # noqa: E731  Selene: DGX A100 80 GB, 8 x 200 Gb/s HDR per node
-    # Megatron Table 1: (billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU). Full recompute
-    # (eq. 3 counts it), no ZeRO, no sequence parallelism (2021). The microbatch size and schedule are not in the
-    # table: one sequence per microbatch and 1F1B assumed.
-    for b, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
-            (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)):
+    # Megatron Table 1: (billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, microbatch size,
+    # virtual stages). Full recompute (eq. 3 counts it), no ZeRO, no sequence parallelism (2021), fp16. The
+    # microbatch sizes and the interleaved schedule's stages (--num-layers-per-virtual-pipeline-stage) are the
+    # paper's own launch script's (SOURCES["megatron-t1"]).
+    for b, heads, hidden, layers, tp, pp, gpus, batch, tflops, micro, virtual in (
+            (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+            (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1)):
         dp = gpus // (tp * pp)
+        schedule = dict(schedule="interleaved-1f1b") if virtual > 1 else {}
         runs.append(Run(f"megatron {b}B tp{tp} pp{pp} x{gpus}", "megatron-t1", f"{b}B row",
                         megatron_gpt(b, heads, hidden, layers), a100(gpus), 2048, batch,
-                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp), 1,
-                        tflops=tflops, calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), notes="microbatch 1 and 1F1B assumed"))
+                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp // micro, **schedule), micro,
+                        tflops=tflops, calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), virtual=virtual,
+                        executor=MEGATRON_EXECUTOR))
     # Megatron Table 2: ZeRO-3 (DeepSpeed) without model parallelism, and PTD-P (tp8, pp12 / pp35), full recompute.
     # DeepSpeed's ZeRO-3 of 2021 moved its bytes across nodes at one NIC's rate per node, not over the node's
     # eight: doubling the GPUs at a fixed batch left its step time unchanged (66.7 s at 768 and 1536 GPUs), and
@@ -134,7 +150,7 @@ def corpus() -> list[Run]:
         runs.append(Run(f"megatron {spec.name} zero3 x{gpus}", "megatron-t2", f"ZeRO-3 {spec.name} {gpus} GPUs",
                         spec, a100(gpus), 2048, batch,
                         dict(dp=gpus, zero=3, recompute="full", microbatches=batch // gpus // micro), micro,
-                        tflops=tflops, executor=dict(nics_per_node=1),
+                        tflops=tflops, executor=dict(nics_per_node=1, **MEGATRON_EXECUTOR),
                         notes="DeepSpeed's collectives cross nodes on one NIC per node (the published rates')"))
     for spec, pp, batch, gpus, tflops in ((gpt175, 12, 1536, 384, 153), (gpt175, 12, 1536, 768, 149),
                                           (gpt175, 12, 1536, 1536, 141), (gpt530, 35, 2240, 560, 171),
@@ -143,7 +159,7 @@ def corpus() -> list[Run]:
         runs.append(Run(f"megatron {spec.name} tp8 pp{pp} x{gpus}", "megatron-t2", f"PTD-P {spec.name} {gpus} GPUs",
                         spec, a100(gpus), 2048, batch,
                         dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1,
-                        tflops=tflops, notes="1F1B assumed"))
+                        tflops=tflops, notes="1F1B assumed", executor=MEGATRON_EXECUTOR))
     # Korthikanti et al.: tp8, one sequence per microbatch, dp 1; full recompute vs sp + selective.
     for b, heads, hidden, layers, pp, gpus, batch, full, present in (
             (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
@@ -153,7 +169,7 @@ def corpus() -> list[Run]:
                                    ("sp + selective", present, dict(recompute="selective", sequence_parallel=True))):
             runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
                             dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1,
-                            published_step=step,
+                            published_step=step, executor=MEGATRON_EXECUTOR,
                             notes="1F1B assumed"))
     # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
     # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
@@ -262,44 +278,50 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     return out
 
 
-def _calibration_error(runs: list[Run], **device) -> float:
-    """Root-mean-square log error of the runs' predicted step times with `device` overrides."""
+def _calibration_error(runs: list[Run], fused: float, **device) -> float:
+    """Root-mean-square log error of the runs' predicted step times with `device` overrides
+    (`fused`: the elementwise traffic of runs whose executor sets its own, Megatron-LM's)."""
     logs = []
     for r in runs:
-        got = predict(r, replace(r.executed_on, **device))
+        overrides = dict(device, elementwise=fused) if "elementwise" in (r.executor or {}) else device
+        got = predict(r, replace(r.executed_on, **overrides))
         logs.append(np.log(got.step_seconds / r.step_seconds(got.model_flops)) ** 2)
     return float(np.sqrt(np.mean(logs)))
 
 
-def _best_efficiency(runs: list[Run], **device) -> tuple[float, float]:
+def _best_efficiency(runs: list[Run], fused: float, **device) -> tuple[float, float]:
     """(gemm_efficiency, rms log error) that fit `runs` best with the other `device` overrides:
     a golden-section search."""
     lo, hi = 0.3, 1.0
     for _ in range(25):
         a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-        if _calibration_error(runs, gemm_efficiency=a, **device) < _calibration_error(runs, gemm_efficiency=b, **device):
+        if (_calibration_error(runs, fused, gemm_efficiency=a, **device)
+                < _calibration_error(runs, fused, gemm_efficiency=b, **device)):
             hi = b
         else:
             lo = a
     efficiency = (lo + hi) / 2
-    return efficiency, _calibration_error(runs, gemm_efficiency=efficiency, **device)
+    return efficiency, _calibration_error(runs, fused, gemm_efficiency=efficiency, **device)
 
 
-def fit(runs: list[Run]) -> tuple[float, float, dict[str, float], float]:
-    """(elementwise, matmul_overhead, gemm_efficiency per device, rms log error) that fit the
-    calibration part best: a grid over the two shared numbers, each device's efficiency its best."""
+def fit(runs: list[Run]) -> tuple[float, float, float, dict[str, float], float]:
+    """(elementwise, Megatron-LM's elementwise, matmul_overhead, gemm_efficiency per device, rms
+    log error) that fit the calibration part best: a grid over the three shared numbers, each
+    device's efficiency its best."""
     devices = sorted({r.cluster.device for r in runs if r.calibrate})
     best = None
     for elementwise in (16.0, 32.0, 48.0, 64.0):
-        for overhead in (0.0, 40e-6, 80e-6, 160e-6, 240e-6, 320e-6):
-            efficiencies, squares = {}, 0.0
-            for device in devices:
-                chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
-                efficiencies[device], error = _best_efficiency(chosen, elementwise=elementwise, matmul_overhead=overhead)
-                squares += error ** 2 * len(chosen)
-            error = float(np.sqrt(squares / sum(r.calibrate for r in runs)))
-            if best is None or error < best[-1]:
-                best = (elementwise, overhead, efficiencies, error)
+        for fused in (8.0, 16.0, 24.0, 32.0, 48.0):
+            for overhead in (0.0, 40e-6, 80e-6, 160e-6, 240e-6, 320e-6):
+                efficiencies, squares = {}, 0.0
+                for device in devices:
+                    chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
+                    efficiencies[device], error = _best_efficiency(chosen, fused, elementwise=elementwise,
+                                                                   matmul_overhead=overhead)
+                    squares += error ** 2 * len(chosen)
+                error = float(np.sqrt(squares / sum(r.calibrate for r in runs)))
+                if best is None or error < best[-1]:
+                    best = (elementwise, fused, overhead, efficiencies, error)
     return best
 
 
@@ -310,10 +332,12 @@ def main() -> None:
     args = parser.parse_args()
     runs = corpus()
     if args.fit:
-        elementwise, overhead, efficiencies, error = fit(runs)
-        print(f"fitted on the calibration part: elementwise {elementwise:.0f}, matmul_overhead {overhead * 1e6:.0f} us, "
+        elementwise, fused, overhead, efficiencies, error = fit(runs)
+        print(f"fitted on the calibration part: elementwise {elementwise:.0f} (Megatron-LM's {fused:.0f}), "
+              f"matmul_overhead {overhead * 1e6:.0f} us, "
               + ", ".join(f"{d} gemm_efficiency {e:.3f}" for d, e in efficiencies.items())
-              + f" (rms log error {error:.3f}); the table has elementwise {sw.planner.DEVICES['a100'].elementwise:.0f}, "
+              + f" (rms log error {error:.3f}); the table has elementwise {sw.planner.DEVICES['a100'].elementwise:.0f} "
+              f"(Megatron-LM's {MEGATRON_EXECUTOR['elementwise']:.0f}), "
               f"matmul_overhead {sw.planner.DEVICES['a100'].matmul_overhead * 1e6:.0f} us, "
               + ", ".join(f"{d} {sw.planner.DEVICES[d].gemm_efficiency:.3f}" for d in efficiencies))
     print(f"{'run':<42} {'part':<5} {'pub s':>8} {'pred s':>8} {'err':>7} {'pub MFU':>7} {'fits':>4} "
@@ -357,7 +381,9 @@ def main() -> None:
           f"1/{SIZE_BAND:g}x to {SIZE_BAND:g}x its size:")
     over, over_hardware = [], []
     for r in runs:
-        best = search(r.spec, r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1, dtypes=(2,))
+        # the pick as shardwise runs it: torch's SDPA (flash attention), on the hardware itself
+        best = search(replace(r.spec, attention="flash"), r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1,
+                      dtypes=(2,))
         if not best:
             print(f"  {r.name:<42} nothing fits")
             continue

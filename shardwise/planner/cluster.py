@@ -47,10 +47,10 @@ class Device:
 # Link bandwidths are 80% of the link rate (NVLink per direction; the network's per-GPU NIC),
 # what nccl-tests' bus bandwidth reaches on large messages.
 DEVICES = {
-    "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.66, 40e-6),
-    "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.66, 40e-6),  # the H100's chip
-    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.80, 40e-6),
-    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.66, 40e-6),  # no published run: H100's
+    "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.67, 80e-6),
+    "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.67, 80e-6),  # the H100's chip
+    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.80, 80e-6),
+    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.67, 80e-6),  # no published run: H100's
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
     "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
 }
