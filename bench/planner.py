@@ -57,7 +57,7 @@ def build(kind: str) -> nn.Module:
         config._attn_implementation = "sdpa"
         return CausalLM(transformers.MixtralForCausalLM(config))
     config = transformers.LlamaConfig(**shape)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if kind == "llama-eager" else "sdpa"  # eager writes the scores
     return CausalLM(transformers.LlamaForCausalLM(config))
 
 
@@ -71,7 +71,8 @@ LAYOUTS = [
     ("gpt", 2, {"pp": 2, "microbatches": 2}), ("gpt", 2, {"pp": 2, "microbatches": 2, "schedule": "gpipe"}),
     ("gpt", 2, {"cp": 2}), ("llama", 2, {"tp": 2}), ("llama", 2, {"tp": 2, "sequence_parallel": True}),
     ("llama", 2, {"dp": 2, "zero": 2}), ("llama", 2, {"pp": 2, "microbatches": 2}), ("llama", 2, {"cp": 2}),
-    ("llama", 2, {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
+    ("llama", 2, {"tp": 2, "sequence_parallel": True, "recompute": "full"}), ("llama-eager", 2, {"tp": 2}),
+    ("llama-eager", 2, {"dp": 2, "recompute": "selective"}),
     ("gpt", 4, {"dp": 2, "tp": 2}), ("gpt", 4, {"tp": 2, "pp": 2, "microbatches": 2}),
     ("gpt", 4, {"dp": 2, "pp": 2, "zero": 1, "microbatches": 2}), ("gpt", 4, {"tp": 4, "sequence_parallel": True}),
     ("gpt", 4, {"cp": 2, "dp": 2}), ("gpt", 4, {"dp": 4, "zero": 3}),
@@ -96,7 +97,7 @@ def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]
     for kind, options in cases:
         config = sw.ParallelConfig(**options)
         batch = _batch(config.microbatches)
-        plan = kind
+        plan = kind.split("-")[0]
         pm = sw.parallelize(build(kind), config, plan=plan if config.tp > 1 else None, sample=batch)
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
         pm.train_step(batch)

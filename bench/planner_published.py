@@ -15,9 +15,9 @@ runs) fixes the planner's fitted numbers (shardwise/planner/cluster.py: each dev
 `gemm_efficiency`, the shared `matmul_overhead` and `elementwise`) and Megatron-LM's own
 elementwise traffic (its fused kernels: `MEGATRON_EXECUTOR`); the other 39 are held out and
 show how the model generalises to other sizes, layouts and executors. `--fit` prints the
-numbers that fit the calibration part best. Megatron-LM's runs (2021-2022) materialized
-attention's scores (`ModelSpec.attention`); the search's own picks run as shardwise does, with
-torch's SDPA.
+numbers that fit the calibration part best. Megatron-LM's runs (2021-2022) wrote attention's
+scores to memory (`ModelSpec(attention="megatron")`); the search's own picks run as shardwise
+does, with torch's SDPA.
 
 Run: python bench/planner_published.py [--fit] [--no-search]
 """
@@ -67,8 +67,8 @@ MEGATRON_EXECUTOR = dict(elementwise=24.0)
 
 def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
     """Megatron's GPT: learned positions (2048), GELU MLP of 4h, LayerNorm, tied head, V 51200;
-    attention materialized (flash attention came to Megatron-LM in 2023)."""
-    return replace(gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048), attention="materialized")
+    attention's scores written to memory (flash attention came to Megatron-LM in 2023)."""
+    return replace(gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048), attention="megatron")
 
 
 def megatron_flops(spec: ModelSpec, batch: int, seq: int) -> float:

@@ -10,7 +10,9 @@ once, charged to the block that makes it (the block's input belongs to the block
                 6: q, k, v (after rotary), attention output, the two residual sums;
                 M: MLP tensors (GELU: fc1 out, gelu out = 2f/h; SwiGLU: gate, up, silu,
                 product = 4f/h); stats: LayerNorm mean+rstd 4sb, RMSNorm rsqrt 2sb;
-                asb: attention's log-sum-exp (fused attention keeps no s x s scores)
+                asb: attention's log-sum-exp (fused attention keeps no s x s scores;
+                Hugging Face's eager attention keeps its float32 softmax, a s s b, in place
+                of it, and under selective recompute the scores' matmul output, as many)
   tp=t          the norms and residual sums replicated, the rest sharded by heads or
                 MLP columns: sbh (N + 2 + (4 + M)/t) + stats + asb/t
   tp=t + sp     everything on sequence shards (the column linears keep the shard of their
@@ -46,11 +48,12 @@ S, B, H, A = 64, 8, 64, 4  # sequence, microbatch, width, heads
 MARGIN = 0.10
 GPT = dict(norms=2, stats=4, mlp=2 * 4, ups=4)  # LayerNorm; GELU MLP of width 4h
 LLAMA = dict(norms=4, stats=2, mlp=4 * 2, ups=2 * 2)  # RMSNorm; SwiGLU MLP of width 2h
+MODELS = {"gpt": GPT, "llama": LLAMA, "llama-eager": dict(LLAMA, eager=True)}
 
 
 def expected(model: dict, recompute: str | None, t: int, sp: bool) -> float:
     """Bytes one block keeps (see the module docstring)."""
-    sbh, sb, asb = S * B * H, S * B, A * S * B
+    sbh, sb, asb = S * B * H, S * B, A * S * B * (S if model.get("eager") else 1)
     if recompute == "full":
         elements = sbh / t if sp else sbh
     elif recompute == "selective":
@@ -65,12 +68,13 @@ def expected(model: dict, recompute: str | None, t: int, sp: bool) -> float:
     return 4 * elements
 
 
-def _llama():
+def _llama(attention: str = "sdpa"):
     from test_zoo import EndToEnd
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=H, num_attention_heads=A, num_key_value_heads=A,
-                                      num_hidden_layers=2, intermediate_size=2 * H, max_position_embeddings=2 * S)
+                                      num_hidden_layers=2, intermediate_size=2 * H, max_position_embeddings=2 * S,
+                                      attn_implementation=attention)
     return EndToEnd(transformers.LlamaForCausalLM(config))
 
 
@@ -78,14 +82,15 @@ def _measure(cases):
     ids = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(0))
     out = []
     for kind, config in cases:
-        plan = kind if config.get("tp", 1) > 1 else None
+        plan = kind.split("-")[0] if config.get("tp", 1) > 1 else None
         if kind == "gpt":
             model, batch = make_gpt(0, n_layer=2, d_model=H, n_head=A, block_size=S), ids
         else:
-            model, batch = _llama(), {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+            model = _llama("eager" if kind == "llama-eager" else "sdpa")
+            batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan)
         memory = sw.activation_memory(pm, batch)
-        assert memory.layers == [f"{'lm.model.' if kind == 'llama' else ''}layers.{i}" for i in range(2)]
+        assert memory.layers == [f"{'' if kind == 'gpt' else 'lm.model.'}layers.{i}" for i in range(2)]
         assert f"activations {memory.describe()}" in pm.summary(batch)
         out.append(memory.per_layer)
     return out
@@ -97,12 +102,11 @@ RECOMPUTE = [None, "selective", "full"]
 @pytest.mark.parametrize("world", [1, 2])
 def test_saved_bytes_per_layer_match_the_formula(world):
     layouts = [{}] if world == 1 else [{"tp": 2}, {"tp": 2, "sequence_parallel": True}]
-    cases = [(kind, {**layout, "recompute": r}) for kind in ("gpt", "llama") for layout in layouts for r in RECOMPUTE]
+    cases = [(kind, {**layout, "recompute": r}) for kind in MODELS for layout in layouts for r in RECOMPUTE]
     measured = sw.testing.run_on_ranks(_measure, world, cases)
     for rank_values in measured:
         for (kind, config), got in zip(cases, rank_values):
-            want = expected(GPT if kind == "gpt" else LLAMA, config["recompute"], config.get("tp", 1),
-                            config.get("sequence_parallel", False))
+            want = expected(MODELS[kind], config["recompute"], config.get("tp", 1), config.get("sequence_parallel", False))
             assert abs(got - want) <= MARGIN * want, f"{kind} {config}: {got:.0f} bytes per layer, formula {want:.0f}"
     by_case = dict(zip([(k, tuple(sorted(c.items(), key=str))) for k, c in cases], measured[0]))
     for kind, config in cases:  # full recompute keeps at most a fifth of what no recompute keeps

@@ -16,7 +16,7 @@ import shardwise as sw
 from parity import torch_pipeline_order
 from shardwise.planner import Cluster, model_spec
 from shardwise.planner.cost import Layout, evaluate
-from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, zero_bubble_share
+from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, score_traffic, zero_bubble_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import planner_published as published  # noqa: E402
@@ -140,11 +140,11 @@ def test_attention_costs_flash_attentions_rate():
     assert float(long - short) == pytest.approx((1 + 2.5 / 0.7) / 3 * float(extra))
 
 
-def test_materialized_attention_costs_the_whole_square_and_its_scores():
-    """ModelSpec(attention="materialized") (Megatron-LM before flash attention): a block's forward
+def test_megatron_attention_costs_the_whole_square_and_its_scores():
+    """ModelSpec(attention="megatron") (Megatron-LM before flash attention): a block's forward
     runs the two score matmuls over the whole s x s square (4·tokens·seq·h/tp FLOPs, no causal
     skipping) in place of flash attention's charge, and moves 13 bytes per score (written,
-    softmaxed, dropped out, read: timing.SCORE_TRAFFIC) with the elementwise work, which
+    softmaxed, dropped out, read: timing.score_traffic) with the elementwise work, which
     selective recompute runs again. Memory: 5 bytes per score kept without recompute (softmax
     output, dropout mask and output), none under selective or full recompute. Faults: a causal
     half-square, the traffic left out, or the scores kept under selective each fail."""
@@ -155,13 +155,13 @@ def test_materialized_attention_costs_the_whole_square_and_its_scores():
 
     flash = published.megatron_gpt(22, 64, 6144, 48)
     flash = replace(flash, attention="flash")
-    materialized = replace(flash, attention="materialized")
+    megatron = replace(flash, attention="megatron")
     c = Cluster(8, device="a100")
     tokens, seq, tp = 2048.0, 2048, 8
     layout = _layout(tp=tp)
     layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
     f_all, f_elementwise, f_linear = block_seconds(flash, c, layout, tokens, seq)
-    m_all, m_elementwise, m_linear = block_seconds(materialized, c, layout, tokens, seq)
+    m_all, m_elementwise, m_linear = block_seconds(megatron, c, layout, tokens, seq)
     scores = tokens * seq * flash.heads / tp
     square = 4 * tokens * seq * flash.hidden / tp / c.matmul_flops(2)
     flash_attention = (1 + 2.5 / 0.7) / 3 * 2 * tokens * seq * flash.hidden / tp / c.matmul_flops(2)
@@ -171,17 +171,21 @@ def test_materialized_attention_costs_the_whole_square_and_its_scores():
     assert float(m_all - f_all) == pytest.approx(square - flash_attention + traffic, rel=1e-12)
     # selective recompute reruns the scores' traffic
     sel_flash = evaluate(flash, c, _layout(dp=1, tp=tp, recompute=1, sp=1), seq)
-    sel_mat = evaluate(materialized, c, _layout(dp=1, tp=tp, recompute=1, sp=1), seq)
+    sel_mat = evaluate(megatron, c, _layout(dp=1, tp=tp, recompute=1, sp=1), seq)
     assert float(sel_mat.recompute - sel_flash.recompute) == pytest.approx(flash.layers * traffic, rel=1e-9)
     # memory: 5 bytes a score without recompute, none recomputed
     args = (tokens, np.float64(tp), np.float64(1), np.float64(1))
-    kept = {r: (block_activation_bytes(materialized, *args, np.float64(r), 2, 1, seq)
+    kept = {r: (block_activation_bytes(megatron, *args, np.float64(r), 2, 1, seq)
                 - block_activation_bytes(flash, *args, np.float64(r), 2, 1, seq)) for r in (0, 1, 2)}
-    lse = flash.heads * tokens * 4 / tp  # flash attention's log-sum-exp, which materialized attention has not
+    lse = flash.heads * tokens * 4 / tp  # flash attention's log-sum-exp, which Megatron's attention has not
     assert float(kept[0]) == pytest.approx(5 * scores - lse, rel=1e-12)
     assert float(kept[1]) == pytest.approx(-lse, rel=1e-12) and float(kept[2]) == 0.0
     with pytest.raises(sw.ConfigError, match="attention='sdpa'"):
         replace(flash, attention="sdpa")
+    # Hugging Face's eager attention per score: 7 values moved in the activations' dtype, a float32 softmax
+    # output written (4 bytes), and below float32 a cast's float32 read and narrow write
+    assert float(score_traffic("eager", 2)) == 7 * 2 + 4 + 4 + 2 and float(score_traffic("eager", 4)) == 7 * 4 + 4
+    assert float(score_traffic("megatron", 2)) == 13
 
 
 def test_full_recompute_reruns_the_blocks_forward():

@@ -44,7 +44,6 @@ from .timing import boundary_bytes, step_times
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
 FLOAT32 = 4
-SCORES_KEPT = 5  # bytes per attention score materialized attention keeps for backward (2-byte activations)
 
 
 @dataclass
@@ -111,11 +110,14 @@ class Cost:
 def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1, seq_len=0):
     """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
     (see tests/test_activations.py for the derivation of each coefficient), sequences of
-    `seq_len` (what materialized attention's scores need)."""
+    `seq_len` (what attention that writes its scores keeps of them)."""
     h = spec.hidden
     sbh = tokens * h
     kv = spec.kv_heads / spec.heads
     attention = 2 + 2 * kv  # q, k, v (after rotary), attention output
+    # Hugging Face's eager attention keeps k and v repeated to every head (its matmuls' inputs); selective
+    # recompute keeps the projections' outputs (attention)
+    kept_qkv = 4.0 if spec.attention == "eager" else attention
     moe = bool(spec.experts)
     mlp = 0.0 if moe else (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
     ups = 0.0 if moe else (2 if spec.mlp == "swiglu" else 1) * spec.ffn / h
@@ -125,17 +127,24 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     else:
         norm_bytes, stats = 2 * act_bytes, 4 * FLOAT32
     lse = np.where(cp > 1, 0.0, spec.heads * tokens * FLOAT32)  # cp recomputes attention in backward
-    if spec.attention == "materialized":
-        # no log-sum-exp; softmax's output, dropout's mask and output per score (Korthikanti et al.'s
-        # 5as/h, at 2-byte activations): kept without recompute, recomputed under selective
+    scores = tokens * seq_len * spec.heads / tp  # of the s x s squares, on this rank
+    if spec.attention == "megatron":
+        # softmax's output, dropout's mask and output (Korthikanti et al.'s 5as/h bytes at 2-byte
+        # activations); its selective recompute reruns them
+        lse, kept, kept_selective = 0.0, (2 * act_bytes + 1) * scores, 0.0
+    elif spec.attention == "eager":
+        # Hugging Face's: softmax's float32 output and its cast to the activations' dtype (the same
+        # tensor in float32); selective recompute keeps the scores' matmul output (measured:
+        # tests/test_activations.py)
         lse = 0.0
-        scores = SCORES_KEPT * act_bytes / 2 * tokens * seq_len * spec.heads / tp
+        kept = (FLOAT32 + np.where(act_bytes < FLOAT32, act_bytes, 0)) * scores
+        kept_selective = act_bytes * scores
     else:
-        scores = 0.0
+        kept = kept_selective = 0.0
     split = (tp == 1) | (sp == 1)
     none = np.where(split,
-                    (norm_bytes * sbh + (attention + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
-                    norm_bytes * sbh + 2 * act_bytes * sbh + (attention + mlp) * act_bytes * sbh / tp
+                    (norm_bytes * sbh + (kept_qkv + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
+                    norm_bytes * sbh + 2 * act_bytes * sbh + (kept_qkv + mlp) * act_bytes * sbh / tp
                     + stats * tokens + lse / tp)
     selective = np.where(split, ((attention + 2 + down + ups) * act_bytes * sbh + lse) / tp,
                          (2 + down + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
@@ -156,7 +165,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
         none = none + kept_none * routed
         selective = selective + kept_selective * routed
     full = np.where(sp == 1, act_bytes * sbh / tp, act_bytes * sbh)
-    return np.select([recompute == 0, recompute == 1], [none + scores, selective], full)
+    return np.select([recompute == 0, recompute == 1], [none + kept, selective + kept_selective], full)
 
 
 def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):

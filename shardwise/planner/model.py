@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import ConfigError, ModelError
 
+ATTENTION_KINDS = ("flash", "eager", "megatron")
 MAX_LAYERS = 10_000  # the stage balance is a dynamic program over layers x stages: beyond this it would not fit
 
 
@@ -32,9 +33,10 @@ class ModelSpec:
     experts has `experts` per layer, `top_k` of them per token, and `expert_params` per layer
     (all its experts, of width `ffn` each; tp leaves them whole, ep splits them); its
     `layer_params` are the rest of a block (attention, norms, router, a shared expert).
-    `attention` is "flash" (one fused kernel that never writes the scores: torch's SDPA on
-    GPUs, flash attention) or "materialized" (the scores of the whole s x s square written,
-    softmaxed and dropped out in memory, as Megatron-LM ran before 2023).
+    `attention` is "flash" (one fused kernel that never writes the scores: torch's SDPA,
+    flash attention), "eager" (Hugging Face's eager attention: the whole s x s square of
+    scores written, scaled, masked and softmaxed in float32 in memory) or "megatron"
+    (Megatron-LM before 2023: the square through its fused scale-mask-softmax and dropout).
     """
 
     name: str
@@ -57,9 +59,10 @@ class ModelSpec:
     attention: str = "flash"
 
     def __post_init__(self) -> None:
-        if self.attention not in ("flash", "materialized"):
+        if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"ModelSpec(attention={self.attention!r}) is 'flash' (a fused kernel: torch's SDPA, flash "
-                              "attention) or 'materialized' (the s x s scores written to memory)")
+                              "attention), 'eager' (Hugging Face's eager attention) or 'megatron' (Megatron-LM's "
+                              "fused softmax): the last two write the s x s scores to memory")
         for name in ("experts", "top_k", "expert_params"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -160,6 +163,13 @@ def _gpt_spec(cfg: Any) -> ModelSpec:
 
 def from_hf_config(config: Any) -> ModelSpec:
     """A spec from a transformers config (llama, qwen2, mistral, gpt2)."""
+    spec = _from_hf_shapes(config)
+    # transformers resolves its default (sdpa) when it builds the model; a config asking for eager attention
+    # materializes the scores
+    return replace(spec, attention="eager") if getattr(config, "_attn_implementation", None) == "eager" else spec
+
+
+def _from_hf_shapes(config: Any) -> ModelSpec:
     kind = getattr(config, "model_type", None)
     if kind in ("llama", "qwen2", "mistral"):
         return llama_like(kind, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,

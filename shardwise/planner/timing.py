@@ -5,7 +5,7 @@ tensor-core peak for bf16, plain float32's for float32) or the operands' traffic
 speed, whichever is slower, so a narrow tp shard or a small microbatch costs what it costs.
 A block is its projections, its MLP (or its experts: the tokens' slots spread over the
 rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward, at flash attention's
-rate; materialized, the whole square's matmuls and its scores' traffic) and the memory-bound elementwise work around them (norms, residuals, activation
+rate; eager or Megatron's, the whole square's matmuls and its scores' traffic) and the memory-bound elementwise work around them (norms, residuals, activation
 functions, rotary: the device table's `elementwise` values per token and hidden unit). Backward is twice the forward.
 The busiest pipeline rank sets the pace: its blocks (as the stage balancer places them) and
 the head's matmul and cross-entropy on the last rank.
@@ -41,10 +41,21 @@ MLP_ELEMENTWISE = 3 / 16
 # bandwidth from the matmuls they run beside (16-32 channels of an A100's 108 SMs). Charged
 # as this fraction of the overlapped time.
 OVERLAP_COST = 0.25
-# Materialized attention (ModelSpec.attention): bytes a forward moves per score, in the 2-byte
-# dtype: the scores' matmul writes it (2), a fused scale-mask-softmax reads and writes it (4),
-# dropout reads it and writes its output and a one-byte mask (5), the matmul with V reads it (2).
-SCORE_TRAFFIC = 13
+
+
+def score_traffic(attention: str, nb):
+    """Bytes a forward moves per attention score that attention writes to memory (ModelSpec.
+    attention), with activations of `nb` bytes. Megatron-LM: the scores' matmul writes it,
+    its fused scale-mask-softmax reads and writes it, dropout reads it and writes its output
+    and a one-byte mask, the matmul with V reads it: 6.5 values (13 bytes at 2). Hugging
+    Face's eager: the matmul writes it, scaling and the mask's add each read and write it,
+    softmax reads it and writes float32, a cast back reads that and writes it (none in
+    float32), the matmul with V reads it: 7 values and 4 bytes, 6 more below float32."""
+    if attention == "megatron":
+        return 6.5 * nb
+    return 7 * nb + FLOAT32 + np.where(nb < FLOAT32, nb + FLOAT32, 0)
+
+FLOAT32 = 4
 # Flash attention against a matmul of its FLOPs: its forward runs near matmul efficiency, its
 # backward does 2.5x the forward's FLOPs (it recomputes the scores) at about 0.7 of the
 # forward's rate (FlashAttention-2, arXiv 2307.08691): (1 + 2.5 / 0.7) / 3 of a matmul's time
@@ -88,11 +99,11 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     time = _gemm(cluster, tokens, (h + 2 * kv) / tp, h, nb) + _gemm(cluster, tokens, h, h / tp, nb)
     per_unit = cluster.spec.elementwise
     elementwise = per_unit * tokens * h * nb / seq_shard
-    if spec.attention == "materialized":
+    if spec.attention != "flash":
         # the two batched matmuls over the whole square (the mask does not skip work), and the scores'
         # traffic, elementwise: selective recompute runs it again
         attention = 2 * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)
-        elementwise = elementwise + SCORE_TRAFFIC * tokens * seq_len * spec.heads / tp * nb / 2
+        elementwise = elementwise + score_traffic(spec.attention, nb) * tokens * seq_len * spec.heads / tp
     else:
         attention = ATTENTION * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention
     if spec.experts:
