@@ -101,6 +101,9 @@ def test_model_specs_count_parameters_exactly():
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=2, intermediate_size=96)
     assert model_spec(config).params == sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert model_spec(config).attention == "flash"  # transformers' default, SDPA
+    config._attn_implementation = "eager"
+    assert model_spec(config).attention == "eager" and model_spec(bench.build("llama-eager")).attention == "eager"
     assert abs(model_spec("llama3-405b").params / 1e9 - 405.9) < 0.5  # Meta's 405B
     assert abs(model_spec("llama3-8b").params / 1e9 - 8.03) < 0.05
 
