@@ -5,8 +5,9 @@ tensor-core peak for bf16, plain float32's for float32) or the operands' traffic
 speed, whichever is slower, so a narrow tp shard or a small microbatch costs what it costs.
 A block is its projections, its MLP (or its experts: the tokens' slots spread over the
 rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward, at flash attention's
-rate; eager or Megatron's, the whole square's matmuls and its scores' traffic) and the memory-bound elementwise work around them (norms, residuals, activation
-functions, rotary: the device table's `elementwise` values per token and hidden unit). Backward is twice the forward.
+rate; eager or Megatron's, the whole square's matmuls and its scores' traffic) and the
+memory-bound elementwise work around them (norms, residuals, activation functions, rotary:
+the device table's `elementwise` values per token and hidden unit). Backward is twice the forward.
 The busiest pipeline rank sets the pace: its blocks (as the stage balancer places them) and
 the head's matmul and cross-entropy on the last rank.
 
@@ -41,6 +42,12 @@ MLP_ELEMENTWISE = 3 / 16
 # bandwidth from the matmuls they run beside (16-32 channels of an A100's 108 SMs). Charged
 # as this fraction of the overlapped time.
 OVERLAP_COST = 0.25
+FLOAT32 = 4
+# Flash attention against a matmul of its FLOPs: its forward runs near matmul efficiency, its
+# backward does 2.5x the forward's FLOPs (it recomputes the scores) at about 0.7 of the
+# forward's rate (FlashAttention-2, arXiv 2307.08691): (1 + 2.5 / 0.7) / 3 of a matmul's time
+# for the 3x-forward FLOPs the model counts.
+ATTENTION = (1 + 2.5 / 0.7) / 3
 
 
 def score_traffic(attention: str, nb):
@@ -54,13 +61,6 @@ def score_traffic(attention: str, nb):
     if attention == "megatron":
         return 6.5 * nb
     return 7 * nb + FLOAT32 + np.where(nb < FLOAT32, nb + FLOAT32, 0)
-
-FLOAT32 = 4
-# Flash attention against a matmul of its FLOPs: its forward runs near matmul efficiency, its
-# backward does 2.5x the forward's FLOPs (it recomputes the scores) at about 0.7 of the
-# forward's rate (FlashAttention-2, arXiv 2307.08691): (1 + 2.5 / 0.7) / 3 of a matmul's time
-# for the 3x-forward FLOPs the model counts.
-ATTENTION = (1 + 2.5 / 0.7) / 3
 
 
 def _gemm(cluster: Cluster, m, n, k, nbytes):
