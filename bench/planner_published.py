@@ -142,7 +142,8 @@ def corpus() -> list[Run]:
     # eight: doubling the GPUs at a fixed batch left its step time unchanged (66.7 s at 768 and 1536 GPUs), and
     # (published - compute) s carries its 3 x 349 GB of gathers and reduce-scatter at 19-28 GB/s a GPU, one HDR
     # NIC's 20-25 (NCCL's eight rings would reach 160). Modelled as nics_per_node=1 on its rows: no number is
-    # fitted, but the choice was read off the 175B rows' scaling; the 530B rows test it.
+    # fitted, but the choice was read off the 175B rows' scaling; the 530B rows test it. DeepSpeed ran
+    # Megatron-LM's GPT, its fused kernels and attention.
     gpt175, gpt530 = megatron_gpt(174.6, 96, 12288, 96), megatron_gpt(529.6, 128, 20480, 105)
     for spec, batch, gpus, micro, tflops in ((gpt175, 1536, 384, 4, 144), (gpt175, 1536, 768, 2, 88),
                                              (gpt175, 1536, 1536, 1, 44), (gpt530, 2560, 640, 4, 138),
