@@ -3,6 +3,8 @@ Llama 3 405B layout, the `shardwise plan` command, and parallelize(model, "auto"
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 import sys
@@ -208,6 +210,14 @@ def test_evaluate_predicts_a_given_layout_as_the_search_does():
                                    (narrow, sw.ParallelConfig(tp=4), "spans nodes of 2 GPUs")):
         with pytest.raises(ConfigError, match=message):
             sw.plan.evaluate(spec, where, config, seq_len=4096, global_batch=32)
+    # context parallelism runs attention through SDPA: an eager-attention model is never given cp
+    # (shardwise's cp refuses it), and asking for it is refused with the fix
+    eager = dataclasses.replace(spec, attention="eager")
+    assert any(c.config.cp > 1 for c in search(spec, Cluster(64, device="h100"), global_batch=64, seq_len=16384, top=50))
+    assert all(c.config.cp == 1 for c in search(eager, Cluster(64, device="h100"), global_batch=64, seq_len=16384,
+                                                 top=50))
+    with pytest.raises(ConfigError, match="cp=2: context parallelism computes attention with torch's SDPA.*'eager'"):
+        sw.plan.evaluate(eager, cluster, sw.ParallelConfig(cp=2), seq_len=4096, global_batch=32)
 
 
 def test_meta_llama3_405b_layout():

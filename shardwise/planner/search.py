@@ -118,7 +118,8 @@ def _factorizations(spec: ModelSpec, cluster: Cluster, seq_len: int, context_par
         if tp > 1 and (tp > cluster.gpus_per_node or spec.check_tp(tp) or spec.plan is None):
             continue
         for cp in divisors(cluster.gpus // tp):
-            if cp > 1 and (not context_parallel or seq_len % (2 * cp) or seq_len // cp < MIN_CP_TOKENS):
+            if cp > 1 and (not context_parallel or spec.attention != "flash" or seq_len % (2 * cp)
+                           or seq_len // cp < MIN_CP_TOKENS):  # cp computes attention with SDPA
                 continue
             for pp in divisors(cluster.gpus // (tp * cp)):
                 if pp > spec.layers:
@@ -280,6 +281,9 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
     if config.ep > 1 and (not spec.experts or spec.experts % config.ep):
         raise ConfigError(f"ep={config.ep}: {spec.name} has {spec.experts or 'no'} experts per layer"
                           + (f", not divisible by {config.ep}" if spec.experts else ""))
+    if config.cp > 1 and spec.attention != "flash":
+        raise ConfigError(f"cp={config.cp}: context parallelism computes attention with torch's SDPA, and "
+                          f"{spec.name}'s attention is {spec.attention!r}; use attn_implementation='sdpa' (or cp=1)")
     if config.pp * virtual > spec.layers:
         raise ConfigError(f"pp={config.pp} x virtual={virtual} stages exceed {spec.name}'s {spec.layers} layers")
     if config.schedule not in SCHEDULE_CODES:
