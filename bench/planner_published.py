@@ -251,6 +251,14 @@ def _per_token(spec: ModelSpec, cluster: Cluster, seq: int, grid) -> np.ndarray:
                                                                                * grid.microbatches), np.inf)
 
 
+def _bf16_grids(spec: ModelSpec, groups, global_batch: int):
+    """The search's bf16 layout grid of each (dp, tp, pp, cp) in `groups` whose dp splits the batch."""
+    for dp, tp, pp, cp in groups:
+        grid = _inner_grid(dp, tp, pp, cp, global_batch // dp, spec.layers, (2,)) if global_batch % dp == 0 else None
+        if grid is not None:
+            yield grid
+
+
 def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     """Where the run's predicted seconds per sequence stand among the bf16 layouts the search
     considers for its batch, as (position, fitting layouts, the fastest one's seconds over the
@@ -263,15 +271,12 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     for groups, same in (([(c.dp, c.tp, c.pp, c.cp)], True), ([(c.dp, c.tp, c.pp, c.cp)], False),
                          (_factorizations(run.spec, run.executed_on, run.seq, True), False)):
         times = []
-        for dp, tp, pp, cp in groups:
-            if run.global_batch % dp == 0:
-                grid = _inner_grid(dp, tp, pp, cp, run.global_batch // dp, run.spec.layers, (2,))
-                if grid is not None:
-                    grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
-                    per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
-                    if same:
-                        per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)
-                    times.append(per_token)
+        for grid in _bf16_grids(run.spec, groups, run.global_batch):
+            grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
+            per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
+            if same:
+                per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)
+            times.append(per_token)
         times = np.concatenate(times) if times else np.array([])
         fitting = times[np.isfinite(times)]
         out.append((int((fitting < mine).sum()) + 1, int(fitting.size),
@@ -284,13 +289,11 @@ def best_without_new_features(spec: ModelSpec, cluster: Cluster, seq: int, globa
     the corpus did) and no context parallelism (only Llama 3's 131K-token run did): how much of
     a pick's promise rests on them."""
     best = 0.0
-    for dp, tp, pp, cp in _factorizations(spec, cluster, seq, False):
-        grid = _inner_grid(dp, tp, pp, cp, global_batch // dp, spec.layers, (2,)) if global_batch % dp == 0 else None
-        if grid is not None:
-            cost = evaluate_layouts(spec, cluster, grid, seq)
-            mfu = cost.model_flops / (cost.step_seconds * cluster.gpus * cluster.spec.peak_flops)
-            allowed = (cost.memory <= cluster.usable_bytes) & (grid.schedule != SCHEDULE_CODES["zero-bubble"])
-            best = max(best, float(np.max(np.where(allowed, mfu, 0.0))))
+    for grid in _bf16_grids(spec, _factorizations(spec, cluster, seq, False), global_batch):
+        cost = evaluate_layouts(spec, cluster, grid, seq)
+        mfu = cost.model_flops / (cost.step_seconds * cluster.gpus * cluster.spec.peak_flops)
+        allowed = (cost.memory <= cluster.usable_bytes) & (grid.schedule != SCHEDULE_CODES["zero-bubble"])
+        best = max(best, float(np.max(np.where(allowed, mfu, 0.0))))
     return best
 
 
