@@ -107,7 +107,7 @@ class Cost:
                 + self.dp_comm + self.optimizer_step)
 
 
-def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep=1, seq_len=0):
+def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep, seq_len):
     """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
     (see tests/test_activations.py for the derivation of each coefficient), sequences of
     `seq_len` (what attention that writes its scores keeps of them)."""
