@@ -86,8 +86,8 @@ LAYOUTS = [
 ]
 
 
-def _batch(microbatches: int) -> dict:
-    ids = torch.randint(0, VOCAB, (MICRO * microbatches, SEQ + 1), generator=torch.Generator().manual_seed(0))
+def _batch(microbatches: int, micro: int = MICRO) -> dict:
+    ids = torch.randint(0, VOCAB, (micro * microbatches, SEQ + 1), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
@@ -178,13 +178,14 @@ def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
     return peak
 
 
-def measure_peak(cases: list[tuple[str, dict]]) -> list[tuple[float, float]]:
-    """On this rank, per case: (model-state bytes at a step's start, the most the step (train_step,
-    optimizer.step, zero_grad) adds at any moment: activations, transient gradients, gathers)."""
+def measure_peak(cases: list[tuple]) -> list[tuple[float, float]]:
+    """On this rank, per case (kind, options[, sequences per microbatch: MICRO]): (model-state
+    bytes at a step's start, the most the step (train_step, optimizer.step, zero_grad) adds at
+    any moment: activations, transient gradients, gathers)."""
     out = []
-    for kind, options in cases:
+    for kind, options, *micro in cases:
         config = sw.ParallelConfig(**options)
-        batch = _batch(config.microbatches)
+        batch = _batch(config.microbatches, *micro)
         pm = sw.parallelize(build(kind), config, plan=kind if config.tp > 1 else None, sample=batch)
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
@@ -200,15 +201,16 @@ def measure_peak(cases: list[tuple[str, dict]]) -> list[tuple[float, float]]:
     return out
 
 
-def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[str, float]]:
+def peak_validation(world: int, layouts: list[tuple]) -> list[tuple[str, float]]:
     """Relative error of the planner's memory (its peak: states, activations and buffers)
-    against the peak measured inside a step on the busiest rank."""
+    against the peak measured inside a step on the busiest rank; `layouts` as `measure_peak`'s."""
     measured = sw.testing.run_on_ranks(measure_peak, world, layouts, timeout=1200)
     errors = []
-    for i, (kind, options) in enumerate(layouts):
-        predicted = float(_cost(options, build(kind), world).memory)
+    for i, (kind, options, *micro) in enumerate(layouts):
+        predicted = float(_cost(options, build(kind), world, micro=micro[0] if micro else MICRO).memory)
         peak = max(states + added for states, added in (rank[i] for rank in measured))
-        name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items())
+        name = f"{kind} world {world} " + " ".join(f"{k}={v}" for k, v in options.items()) + (
+            f", {micro[0]} a microbatch" if micro else "")
         print(f"  {name:<50} peak in the step {peak / 2 ** 20:8.3f} MiB, predicted {predicted / 2 ** 20:8.3f} MiB "
               f"({predicted / peak - 1:+.2%})")
         errors.append((name, predicted / peak - 1))
@@ -218,7 +220,11 @@ def peak_validation(world: int, layouts: list[tuple[str, dict]]) -> list[tuple[s
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
-    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)]
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + [
+    # accumulating over microbatches, where the whole gradients weigh most (one sequence a microbatch)
+    ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
+    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1),
+    ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1)]
 
 
 BIG_WORLD = 64

@@ -18,9 +18,10 @@ flight and the embedding, or the last, which keeps the logits):
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once;
 - buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
-  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (the peak inside
-  a step, measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the
-  sends it keeps until the step ends.
+  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once in a step of one
+  microbatch, every one of them in a step that accumulates several (the peak inside a step,
+  measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
+  keeps until the step ends.
 
 Time: planner/timing.py, term by term (compute as a roofline per matmul, α-β collectives,
 pipeline p2p per microbatch and the bubble, exposed data-parallel and ZeRO-3 traffic, the
@@ -328,6 +329,10 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
     filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * block_bytes / L.param_bytes * L.grad_bytes,
                                                      window], 0.0)
+    # accumulating over microbatches (a pipeline's too), ZeRO-2/3 keep every bucket's whole
+    # gradient from the first backward until the last one reduce-scatters it (data/gradients.py's
+    # no_sync): the window bound holds only for a step of one microbatch
+    filling = np.where((L.zero >= 2) & (L.microbatches > 1), rank_bytes, filling)
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
     sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens),
