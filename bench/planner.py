@@ -221,7 +221,8 @@ PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp"
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
     for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + [
-    # accumulating over microbatches, where the whole gradients weigh most (one sequence a microbatch)
+    # ZeRO-2/3 over microbatches, where whole gradients weigh most (one sequence a microbatch): reduced
+    # into the shards each microbatch, or (a pipeline's) accumulated whole until the last backward
     ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1)]

@@ -138,7 +138,8 @@ class ParallelOptimizer:
                              post: Callable[[torch.Tensor], None] | None = None) -> None:
         """Call `pre(grads)` on each gradient bucket before its collective and `post(grads)` on
         the reduced result after it (the whole bucket, or this rank's shard under ZeRO); both
-        may modify the tensor in place, e.g. scale down before and back up after."""
+        may modify the tensor in place, e.g. scale down before and back up after. Under ZeRO-2/3
+        a step of several microbatches reduces each (`pre` on each), `post` sees their sum."""
         if pre is not None:
             self._pmodel.gradients.pre_hooks.append(pre)
         if post is not None:

@@ -66,9 +66,12 @@ def test_peaks_inside_the_step():
       deferred weight backwards need (the gradients of the linear layers' outputs) and every send
       until the step ends (3 tensors a microbatch here), at 4 and 8 microbatches. Charging it as
       interleaved 1F1B (the planner before) under-predicted by 19% and 26%: the sends grow with m.
-    - ZeRO-2/3 accumulating over 4 microbatches keep every bucket's whole gradient from the first
-      backward to the last (small buckets, one sequence a microbatch, so gradients weigh): charged
-      only the window of buckets a single backward holds, the planner was 21%, 12% and 14% low."""
+    - ZeRO-2/3 over 4 microbatches (small buckets, one sequence a microbatch, so gradients weigh):
+      without a pipeline each microbatch is reduced into the shards, so a backward holds a window
+      of whole-gradient buckets, as in a step of one (accumulating whole gradients instead, as the
+      executor did before, measured 21% and 25% above the prediction); a pipeline accumulates
+      whole gradients until its last backward, which the planner charges (without that term it
+      was 14% low)."""
     layouts = [("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
                for schedule, m in (("1f1b", 4), ("zero-bubble", 4), ("zero-bubble", 8))] + bench.PEAK_LAYOUTS[-3:]
     for name, error in bench.peak_validation(4, layouts):

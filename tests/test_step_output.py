@@ -5,7 +5,10 @@ one process, judged by tests/parity.py's bounds:
 - reduce="tokens": labels are masked unevenly (replica 0 keeps far more than replica 1, and
   its microbatches differ), the forward returns (mean loss over its tokens, token count);
   losses and gradients must be one process's mean over all the step's tokens at once. The
-  same at tp=2 with nothing sharded (dp=1: no replica to weight).
+  same at tp=2 with nothing sharded (dp=1: no replica to weight), and under ZeRO-2 and 3, whose
+  first microbatch is reduced into the shards before the token total that weights it is known
+  (the shards' sum is rescaled when it is: left as reduced, the step's gradient is off by the
+  first microbatch's share).
 - reduce="sum": one process's sum over the four microbatch slices, halved for the 2 replicas.
 - outputs=True: StepOutput.outputs holds this replica's logits, its two microbatches
   concatenated, equal to one process's logits for the replica's rows.
@@ -90,6 +93,8 @@ def _layouts(masked, plain, empty):
     return {"tokens": _train({}, counting, masked, "tokens"),
             "tokens, replica 1 all ignored": _train({}, counting, empty, "tokens"),
             "tokens tp2": _train({"tp": 2}, counting, masked, "tokens", plan=sw.Plan(name="none")),
+            "tokens zero2": _train({"zero": 2}, counting, masked, "tokens"),
+            "tokens zero3": _train({"zero": 3}, counting, masked, "tokens"),
             "sum": _train({}, logits_model, plain, "sum")}
 
 
@@ -100,7 +105,8 @@ def test_token_weighted_summed_and_concatenated_outputs():
     want_sum = reference_run(logits_model, plain, loss=summed_slices)
     first = logits_model()
     for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain, empty)):
-        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("sum", want_sum),
+        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("tokens zero2", want_tokens),
+                           ("tokens zero3", want_tokens), ("sum", want_sum),
                            ("tokens, replica 1 all ignored", want_empty)):
             got, outputs = runs[name]
             assert_parity(want, got)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from parity import (ADAMW, SGD, Run, assert_meaningful, assert_parity, full_grads, gpt_batches, make_gpt,
+from parity import (ADAMW, SGD, Case, Run, assert_meaningful, compare_cases, assert_parity, full_grads, gpt_batches, make_gpt,
                     reference_run, replica_slice, run_and_compare)
 
 STEPS = 5
@@ -30,6 +30,20 @@ def test_zero_parity_dp4(zero):
 def test_zero_with_tensor_parallel(zero, sequence_parallel):
     config = {"zero": zero, "tp": 2, "sequence_parallel": sequence_parallel}
     run_and_compare(4, config, gpt, gpt_batches(STEPS, 8), plan="gpt", clip=0.5, optimizer="adamw")
+
+
+def test_zero_reducing_every_microbatch_into_the_shards():
+    """ZeRO-2/3 over 2 microbatches reduce-scatter each microbatch's gradients into the shards,
+    which sum them (gradients.py's reduce_into_shards): whole gradients, losses and AdamW
+    parameters against one process, at dp4 and at dp2 x tp2 with sequence parallelism. A shard
+    that kept only the last microbatch's reduction (overwritten, not summed) is off by half the
+    gradient, far past parity's bounds."""
+    batches = gpt_batches(STEPS, 8)
+    cases = [Case(f"zero{zero} dp4", {"zero": zero, "microbatches": 2}, gpt, batches, optimizer="adamw")
+             for zero in (2, 3)]
+    cases.append(Case("zero2 dp2 tp2+sp", {"zero": 2, "tp": 2, "sequence_parallel": True, "microbatches": 2}, gpt,
+                      batches, plan="gpt", optimizer="adamw"))
+    compare_cases(4, cases)
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -18,8 +18,8 @@ flight and the embedding, or the last, which keeps the logits):
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once;
 - buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
-  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once in a step of one
-  microbatch, every one of them in a step that accumulates several (the peak inside a step,
+  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once, every one of
+  them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
   measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
   keeps until the step ends.
 
@@ -327,12 +327,12 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     end_tensor = np.where(L.pp == 1, np.maximum(end_first, end_last), np.where(use_last, end_last, end_first))
     bucket = np.maximum(L.bucket_bytes, largest_block_tensor(spec, L) * L.grad_bytes)
     window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
-    filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * block_bytes / L.param_bytes * L.grad_bytes,
-                                                     window], 0.0)
-    # accumulating over microbatches (a pipeline's too), ZeRO-2/3 keep every bucket's whole
-    # gradient from the first backward until the last one reduce-scatters it (data/gradients.py's
-    # no_sync): the window bound holds only for a step of one microbatch
-    filling = np.where((L.zero >= 2) & (L.microbatches > 1), rank_bytes, filling)
+    block_grads = block_bytes / L.param_bytes * L.grad_bytes  # ZeRO-3's buckets lie inside a block's
+    filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * np.minimum(bucket, block_grads), window], 0.0)
+    # a pipeline schedule accumulates its microbatches before reducing: ZeRO-2/3 keep every
+    # bucket's whole gradient from a stage's first backward to its last (without a pipeline each
+    # microbatch reduces into the shards: data/gradients.py's reduce_into_shards)
+    filling = np.where((L.zero >= 2) & (L.microbatches > 1) & (L.pp > 1), rank_bytes, filling)
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
     sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens),

@@ -192,22 +192,26 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     span = L.tp * shards
     last_backward = 2 / 3 * (compute + recompute) / L.microbatches
     # ZeRO 0-2: the gradients' all-reduce (ZeRO-1/2: reduce-scatter), one collective per bucket, each
-    # paying its own latency
+    # paying its own latency, after the step's last backward; without a pipeline ZeRO-2 reduces every
+    # microbatch's into the shards (data/gradients.py's reduce_into_shards)
     buckets = np.maximum(np.ceil(grad_bytes / memory.bucket), 1)
     reduce = np.where(L.zero == 0, buckets * all_reduce(cluster, shards, grad_bytes / buckets, span),
                       buckets * ring(cluster, shards, grad_bytes / buckets, span))
     # ZeRO-1/2: the updated shards' all-gather runs after the optimizer step, with nothing to hide behind
     gather_after_step = np.where((L.zero == 1) | (L.zero == 2), ring(cluster, shards, rank_params * L.param_bytes, span),
                                  0.0)
-    # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and a
-    # gradient reduce-scatter during its backward, each hidden behind that block's compute
+    # ZeRO-3, block by block and microbatch: a gather before its forward, a gather and (without a
+    # pipeline) a gradient reduce-scatter during its backward, each hidden behind that block's
+    # compute; a pipeline's gradients are reduce-scattered after its last backward, as ZeRO-2's
     per_block = rank_params / np.maximum(busiest_blocks, 1)
     gather = ring(cluster, shards, per_block * L.param_bytes, span)
-    scatter = ring(cluster, shards, per_block * L.grad_bytes, span)
+    scatter = np.where(L.pp == 1, ring(cluster, shards, per_block * L.grad_bytes, span), 0.0)
     forward = block + recompute / np.maximum(L.microbatches * busiest_blocks, 1)
     exposed3 = _overlapped(gather, forward) + _overlapped(gather + scatter, 2 * block)
-    zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather)
-    dp_comm = np.where(L.zero == 3, zero3, _overlapped(reduce, last_backward) + gather_after_step)
+    zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather) + np.where(L.pp > 1, _overlapped(reduce, last_backward),
+                                                                                 0.0)
+    reductions = np.where((L.zero == 2) & (L.pp == 1), L.microbatches, 1)
+    dp_comm = np.where(L.zero == 3, zero3, reductions * _overlapped(reduce, last_backward) + gather_after_step)
 
     # Adam on this rank's shard: parameters and gradients read, moments and float32 master
     # weights read and written, parameters written

@@ -118,6 +118,12 @@ class Bucket:
             self.allocate()
         self.pending = len(params)
         self.work: dist.Work | None = None
+        # ZeRO-2/3 reducing every microbatch of a step: the factor the shard's partial sum was
+        # scaled by (None: it holds nothing of this step yet), the factor of the reduction under
+        # way, and where that reduction lands until it is added in
+        self.shard_factor: float | None = None
+        self.launch_factor = 1.0
+        self.incoming: torch.Tensor | None = None
 
     def allocate(self) -> None:
         if self.buffer is None:
@@ -128,6 +134,26 @@ class Bucket:
     def release(self) -> None:
         """Free the gradient buffer (ZeRO-2+, after the reduce-scatter)."""
         self.buffer, self.views, self.summary = None, [], torch.empty(0)
+
+    def reduced_into(self) -> torch.Tensor:
+        """Where this reduction's shard goes: the shard itself, or beside it when the shard
+        already holds an earlier microbatch's (`settle` adds it in once it has arrived)."""
+        if self.shard_factor is None:
+            return self.grad_shard
+        self.incoming = torch.empty_like(self.grad_shard)
+        return self.incoming
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """After the reduction arrived: add it to the shard's partial sum. The replica weight
+        may have changed since that sum was reduced (reduce="tokens" learns it at the last
+        microbatch, the same on every replica): the sum is rescaled to it first."""
+        if self.incoming is not None:
+            if self.shard_factor != self.launch_factor:
+                self.grad_shard.mul_(self.launch_factor / self.shard_factor if self.shard_factor else 0.0)
+            self.grad_shard.add_(self.incoming)
+            self.incoming = None
+        self.shard_factor = self.launch_factor
 
     @property
     def grads(self) -> torch.Tensor:

@@ -9,7 +9,10 @@ so communication overlaps the rest of backward. Buckets launch strictly in order
 rank issues the same collectives in the same order even when ranks see different
 parameters unused. One wait at the end of backward finishes the step; under ZeRO-2/3, whose
 gradients live as shards, a bucket's whole-gradient buffer is freed as soon as a later launch
-finds its reduce-scatter done (at most `IN_FLIGHT` held), not at the end of the step.
+finds its reduce-scatter done (at most `IN_FLIGHT` held), not at the end of the step; a step of
+several microbatches reduces each into the shards, which sum them, so no whole gradient outlives
+a backward (as FSDP and DeepSpeed do; it costs a reduce-scatter of the gradients a microbatch).
+A pipeline's schedule accumulates whole gradients and reduces after a stage's last backward.
 
 Each parameter is reduced over its own group with its own scale: the data-parallel ranks
 (mean), or, for a replicated parameter whose gradient is partial over tensor-parallel ranks
@@ -104,17 +107,24 @@ class GradientBuckets:
 
     def _reset_window(self) -> None:
         self._used = [False] * len(self.params)  # any local gradient since the last sync
-        self._ready = [False] * len(self.params)  # gradient final in this synced backward
-        self._next = 0  # first bucket not yet launched
         self._dirty = False  # gradients accumulated since the last sync
-        self._callback_queued = False
-        self._hold_last = False  # the last bucket waits for finish() (pipeline schedules)
         self.summary.loss = None
         # this replica's share relative to an equal one (n_replica * replicas / n_total): 1.0
         # unless train_step's replicas hold different numbers of samples
         self.replica_weight = 1.0
         self._summary_alone: torch.Tensor | None = None  # the summary, when it has its own collective
         self._summary_work: dist.Work | None = None
+        for bucket in self.buckets:
+            bucket.shard_factor = None
+        self._reset_launches()
+
+    def _reset_launches(self) -> None:
+        """Ready for the next synchronized backward (of this step's next microbatch, or the next step)."""
+        self._ready = [False] * len(self.params)  # gradient final in this synced backward
+        self._next = 0  # first bucket not yet launched
+        self._callback_queued = False
+        self._hold_last = False  # the last bucket waits for finish() (pipeline schedules)
+        self._partial = False  # a microbatch's reduction into the shards, not the step's last
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.work = None
@@ -225,18 +235,19 @@ class GradientBuckets:
         reduce = bucket.reduce
         for hook in self.pre_hooks:
             hook(bucket.grads)
-        bucket.buffer.mul_(reduce.scale * (1.0 if reduce.weighted_at_origin else self.replica_weight))
+        bucket.launch_factor = reduce.scale * (1.0 if reduce.weighted_at_origin else self.replica_weight)
+        bucket.buffer.mul_(bucket.launch_factor)
         if bucket.summary_slots:
             bucket.summary.copy_(self.summary.pack(self._used, reduce.size, bucket.device))
         if bucket.sharded:
             self.stats.record("reduce_scatter", bucket.grads)
-            bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
+            bucket.work = reduce_scatter_single(bucket.reduced_into(), bucket.grads, group=reduce.group, async_op=True)
         else:
             self.stats.record("all_reduce", bucket.buffer)
             bucket.work = dist.all_reduce(bucket.buffer, group=reduce.group, async_op=True)
         if not self.zero.grad_buffer_kept:
             self._bound_in_flight(bucket.index)
-        if bucket is self.buckets[-1] and not self._summary_in_bucket and self.replicas.size > 1:
+        if bucket is self.buckets[-1] and not self._summary_in_bucket and self.replicas.size > 1 and not self._partial:
             self._summary_alone = self.summary.pack(self._used, self.replicas.size, bucket.device)
             self.stats.record("all_reduce", self._summary_alone)
             self._summary_work = dist.all_reduce(self._summary_alone, group=self.replicas.group, async_op=True)
@@ -251,10 +262,43 @@ class GradientBuckets:
             return
         done = self.buckets[launched - IN_FLIGHT]
         if done.work is not None:
-            wait(done.work, f"reduce-scatter of gradient bucket {done.index} ({done.nbytes} bytes)", done.reduce.group,
-                 self.coordinator)
-            done.work = None
+            self._complete(done)
         done.release()
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for `bucket`'s collective (a shard's: and add it to the step's partial sum)."""
+        op = "reduce-scatter" if bucket.sharded else "all-reduce"
+        wait(bucket.work, f"{op} of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", bucket.reduce.group,
+             self.coordinator)
+        bucket.work = None
+        if bucket.sharded:
+            bucket.settle()
+
+    def reduce_into_shards(self) -> contextlib.AbstractContextManager:
+        """ZeRO-2/3, around a microbatch of a step that is not its last: its backward
+        reduce-scatters each bucket as it fills, as the last one does, and the shards sum the
+        microbatches, so no whole gradient outlives a backward (FSDP's and DeepSpeed's way,
+        one reduce-scatter of the gradients a microbatch). What only the step's last reduction
+        carries waits for it: the loss, the unused-parameter mask, the reduce hooks' `post`."""
+        return self._partial_reduction()
+
+    @contextlib.contextmanager
+    def _partial_reduction(self) -> Iterator[None]:
+        self._partial = True
+        try:
+            yield
+        except BaseException:
+            self._partial = False
+            raise
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                self._complete(bucket)
+            bucket.release()
+        for param, (bucket, _) in self._slot.items():
+            param.grad = None  # a view of a released buffer
+        self._reset_launches()
 
     def finish(self) -> torch.Tensor | None:
         """Complete synchronization: launch what is left, wait once, settle unused params.
@@ -274,9 +318,8 @@ class GradientBuckets:
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            op = "reduce-scatter" if bucket.sharded else "all-reduce"
-            wait(bucket.work, f"{op} of gradient bucket {bucket.index} ({bucket.nbytes} bytes)", bucket.reduce.group,
-                 self.coordinator)
+            if bucket.work is not None:
+                self._complete(bucket)
             for hook in self.post_hooks:
                 hook(bucket.grad_shard if bucket.sharded else bucket.grads)
         wait(self._summary_work, "all-reduce of the unused-parameter mask and the loss", self.replicas.group,
@@ -394,8 +437,13 @@ class StepGradients:
         self.syncing = buckets.sync_enabled
 
     def microbatch(self, last: bool) -> contextlib.AbstractContextManager:
-        """Around a microbatch's forward and backward: only the last one reduces."""
-        return contextlib.nullcontext() if last else self.buckets.no_sync()
+        """Around a microbatch's forward and backward: the last one reduces; under ZeRO-2/3
+        each one reduces into the gradient shards (`reduce_into_shards`), others accumulate."""
+        if last:
+            return contextlib.nullcontext()
+        if self.syncing and not self.buckets.zero.grad_buffer_kept:
+            return self.buckets.reduce_into_shards()
+        return self.buckets.no_sync()
 
     def loss(self, local_mean: torch.Tensor) -> None:
         """This replica's mean loss; call before the backward that reduces."""
