@@ -112,6 +112,19 @@ def test_zero1_gathers_the_updated_parameters_after_the_step():
         assert float(terms.dp_comm) >= float(gather) + OVERLAP_COST * float(gather) > 0
 
 
+def test_zero2_reduces_every_microbatch_without_a_pipeline():
+    """Without a pipeline ZeRO-2 reduce-scatters each microbatch's gradients into the shards
+    (data/gradients.py's reduce_into_shards): m microbatches pay m reductions, each overlapping
+    its own backward, and the after-step gather once. A pipeline accumulates and reduces once:
+    its dp term does not grow with m."""
+    cluster, spec = Cluster(64, device="h100"), model_spec("llama3-8b")
+    gather = float(ring(cluster, 64, spec.params * 2, 64))
+    one, four = (_terms(cluster=cluster, dp=64, zero=2, micro_batch=8, microbatches=m) for m in (1, 4))
+    assert float(four.dp_comm) - gather == pytest.approx(4 * (float(one.dp_comm) - gather), rel=1e-9)
+    piped = [_terms(cluster=cluster, dp=16, pp=4, zero=2, micro_batch=8, microbatches=m) for m in (4, 8)]
+    assert float(piped[0].dp_comm) == pytest.approx(float(piped[1].dp_comm), rel=1e-9)
+
+
 def test_zero3_gathers_hide_behind_big_microbatches():
     """ZeRO-3's per-block gathers hide behind a block's compute when the microbatch is big and
     stick out when it is small (per token)."""
