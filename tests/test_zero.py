@@ -290,9 +290,9 @@ def _groups(named):
 
 
 def _optimizer_api(batches):
-    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=2))
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=2, microbatches=2))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, params=_groups(list(pm.module.named_parameters())), **ADAMW)
-    # scaled down before the reduction, back up after: nothing changes
+    # scaled down before each microbatch's reduction, back up once after their sum: nothing changes
     opt.register_reduce_hook(pre=lambda g: g.div_(8), post=lambda g: g.mul_(8))
     index, count = sw.data_parallel_info(pm)
     run = Run([], [])
