@@ -174,7 +174,8 @@ CP_LAYOUTS = {2: {"cp2": {"cp": 2}},
               4: {"cp4": {"cp": 4}, "cp2 x dp2": {"cp": 2, "dp": 2},
                   "cp2 x tp2 sp": {"cp": 2, "tp": 2, "sequence_parallel": True},
                   "cp2 x pp2": {"cp": 2, "pp": 2, "microbatches": 2},
-                  "cp2 x dp2 zero3": {"cp": 2, "dp": 2, "zero": 3}}}
+                  # ZeRO-3 over dp x cp, each microbatch's gradients reduce-scattered into the shards
+                  "cp2 x dp2 zero3 x2 microbatches": {"cp": 2, "dp": 2, "zero": 3, "microbatches": 2}}}
 
 
 @pytest.mark.parametrize("world", sorted(CP_LAYOUTS))
