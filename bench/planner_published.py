@@ -165,7 +165,7 @@ def corpus() -> list[Run]:
                         spec, a100(gpus), 2048, batch,
                         dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1,
                         tflops=tflops, notes="1F1B assumed", executor=MEGATRON_EXECUTOR))
-    # Korthikanti et al.: tp8, one sequence per microbatch, dp 1; full recompute vs sp + selective.
+    # Korthikanti et al.: tp8, dp 1; full recompute vs sp + selective (one sequence a microbatch assumed).
     for b, heads, hidden, layers, pp, gpus, batch, full, present in (
             (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
             (530, 128, 20480, 105, 35, 280, 280, 49.05, 37.83), (1000, 160, 25600, 128, 64, 512, 512, 94.42, 71.49)):
@@ -175,7 +175,7 @@ def corpus() -> list[Run]:
             runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
                             dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1,
                             published_step=step, executor=MEGATRON_EXECUTOR,
-                            notes="1F1B assumed"))
+                            notes="one sequence a microbatch, 1F1B assumed"))
     # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
     # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
     # microbatch assumed.
