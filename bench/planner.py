@@ -224,8 +224,9 @@ PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp"
     # ZeRO-2/3 over microbatches, where whole gradients weigh most (one sequence a microbatch): reduced
     # into the shards each microbatch, or (a pipeline's) accumulated whole until the last backward
     ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
-    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1),
-    ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1)]
+    ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
+    ("gpt", {"dp": 4, "zero": 3, "bucket_mb": 0.02}, 1),  # ZeRO-3's buckets smaller than a block
+    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1)]
 
 
 BIG_WORLD = 64
