@@ -69,7 +69,7 @@ def test_peaks_inside_the_step():
     - ZeRO-2 over 4 microbatches (small buckets, one sequence a microbatch, so gradients weigh):
       without a pipeline each microbatch is reduced into the shards, so a backward holds a window
       of whole-gradient buckets, as in a step of one (accumulating whole gradients instead, as the
-      executor did before, measured 21% above the prediction); a pipeline accumulates whole
+      executor did before, put the prediction 21% below the peak); a pipeline accumulates whole
       gradients until its last backward, which the planner charges (without that term it was 14%
       low).
     - ZeRO-3 with buckets smaller than a block holds buckets, not blocks, in flight (charged a
