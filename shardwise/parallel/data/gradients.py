@@ -274,29 +274,31 @@ class GradientBuckets:
         if bucket.sharded:
             bucket.settle()
 
-    def reduce_into_shards(self) -> contextlib.AbstractContextManager:
+    def _launch_rest_and_wait(self) -> None:
+        """Launch, in order, the buckets not launched yet and wait for every bucket's collective."""
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                self._complete(bucket)
+
+    @contextlib.contextmanager
+    def reduce_into_shards(self) -> Iterator[None]:
         """ZeRO-2/3, around a microbatch of a step that is not its last: its backward
         reduce-scatters each bucket as it fills, as the last one does, and the shards sum the
         microbatches, so no whole gradient outlives a backward (FSDP's and DeepSpeed's way,
         one reduce-scatter of the gradients a microbatch). What only the step's last reduction
         carries waits for it: the loss, the unused-parameter mask, the reduce hooks' `post`."""
-        return self._partial_reduction()
-
-    @contextlib.contextmanager
-    def _partial_reduction(self) -> Iterator[None]:
         self._partial = True
         try:
             yield
         except BaseException:
             self._partial = False
             raise
-        for bucket in self.buckets[self._next:]:
-            self._launch(bucket)
+        self._launch_rest_and_wait()
         for bucket in self.buckets:
-            if bucket.work is not None:
-                self._complete(bucket)
             bucket.release()
-        for param, (bucket, _) in self._slot.items():
+        for param in self._slot:
             param.grad = None  # a view of a released buffer
         self._reset_launches()
 
@@ -315,11 +317,8 @@ class GradientBuckets:
             loss = self.summary.loss
             self._reset_window()
             return loss
-        for bucket in self.buckets[self._next:]:
-            self._launch(bucket)
+        self._launch_rest_and_wait()
         for bucket in self.buckets:
-            if bucket.work is not None:
-                self._complete(bucket)
             for hook in self.post_hooks:
                 hook(bucket.grad_shard if bucket.sharded else bucket.grads)
         wait(self._summary_work, "all-reduce of the unused-parameter mask and the loss", self.replicas.group,
