@@ -1,6 +1,6 @@
 """The planner's time model (planner/timing.py) and its gradient buckets' memory: each term does
 what its derivation says, the zero-bubble bubble is torch's own schedule's, and the published
-runs of bench/planner_published.py stay within the issue's bounds. Arithmetic only, no timing."""
+runs of bench/published_runs.py stay within the issue's bounds. Arithmetic only, no timing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from shardwise.planner.cost import Layout, evaluate
 from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, score_traffic, zero_bubble_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import planner_published as published  # noqa: E402
+import published_runs as published  # noqa: E402
 
 
 def _layout(**kw) -> Layout:
@@ -238,7 +238,7 @@ def _executor_apart(run) -> bool:
 
 
 def test_published_runs_within_bounds():
-    """bench/planner_published.py's corpus: the step time predicted for each published layout
+    """bench/published_runs.py's corpus: the step time predicted for each published layout
     against the published one, within the issue's bounds: median |error| <= 10% on the
     held-out part and on the whole, and at most 25% on every run but torchtitan's, whose
     executor the planner does not model: its selective checkpointing recomputes every second

@@ -1,0 +1,220 @@
+"""Published training runs that nobody here made, as the planner sees them.
+
+Each `Run` is a model, a cluster and the layout its authors used, with the step time they
+published (or what their tables give it from: FLOP/s per GPU with their FLOP count, tokens
+per second) and memory where they published it; `SOURCES` names the paper table or file and
+`Run.row` the row. `corpus()` holds them all, `predict()` is the planner's Candidate for a
+run's own layout. bench/planner_published.py sets the planner against them; the calibration
+part (`Run.calibrate`) is what its fitted numbers were fitted on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import shardwise as sw
+from shardwise.planner import Cluster
+from shardwise.planner.model import MODELS, ModelSpec, gpt2_like
+
+GIB = 2.0 ** 30
+FP32 = torch.float32
+SOURCES = {
+    "megatron-t1": "Narayanan et al., SC21 (arXiv 2104.04473), Table 1: weak scaling, A100 80 GB, seq 2048, "
+                   "V 51200; step = eq. 3's FLOPs (with recompute) / (GPUs x achieved TFLOP/s); microbatch sizes "
+                   "and interleaving from Megatron-LM's examples/academic_paper_scripts/sc21/run_table_1.sh (as kept "
+                   "in sail-sg/zero-bubble-pipeline-parallelism at 39f2c186)",
+    "megatron-t2": "Narayanan et al., SC21 (arXiv 2104.04473), Table 2: ZeRO-3 without model parallelism vs PTD-P, "
+                   "175B and 530B GPT; step as Table 1",
+    "korthikanti": "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5: end-to-end iteration time, "
+                   "full recompute vs sequence parallel + selective recompute, A100 80 GB",
+    "llama3": "Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 405B on H100, BF16 TFLOP/s per GPU; "
+              "step = the planner's model FLOPs (6N + causal attention) / (GPUs x TFLOP/s)",
+    "llm-foundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7): MPT 125M-70B with "
+                   "FSDP FULL_SHARD, flash attention, bf16; step = global batch tokens / (tokens/s per GPU x GPUs)",
+    "torchtitan": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP, H100 96 GB HBM2e at "
+                  "500 W, seq 8192; step = local batch x seq / TPS per GPU; memory as published",
+}
+
+
+# FSDP reduce-scatters a wrapped block's whole gradient in one collective: buckets as large as a
+# block (an 8B Llama's is 0.8 GiB in float32), where shardwise's default holds 25 MiB ones.
+FSDP_BUCKET_MB = 4096.0
+
+# Megatron-LM's fused kernels (LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax) move fewer values
+# per token and hidden unit than eager PyTorch's ops (the device table's `elementwise`): fitted with the rest
+# (`--fit`), on its runs of the calibration part.
+MEGATRON_EXECUTOR = dict(elementwise=24.0)
+
+
+def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
+    """Megatron's GPT: learned positions (2048), GELU MLP of 4h, LayerNorm, tied head, V 51200;
+    attention's scores written to memory (flash attention came to Megatron-LM in 2023)."""
+    return replace(gpt2_like(f"gpt-{billions}b", layers, hidden, heads, 51200, 2048), attention="megatron")
+
+
+def megatron_flops(spec: ModelSpec, batch: int, seq: int) -> float:
+    """Narayanan et al.'s eq. 3: FLOPs per iteration with activation recomputation."""
+    h, layers = spec.hidden, spec.layers
+    return 96 * batch * seq * layers * h * h * (1 + seq / (6 * h) + spec.vocab / (16 * layers * h))
+
+
+@dataclass
+class Run:
+    """One published run: the layout its authors used and what they measured."""
+
+    name: str
+    source: str  # a key of SOURCES, and the row
+    row: str
+    spec: ModelSpec
+    cluster: Cluster
+    seq: int
+    global_batch: int
+    config: dict
+    micro_batch: int
+    published_step: float | None = None  # seconds, when published directly
+    tflops: float | None = None  # achieved TFLOP/s per GPU, when that is what was published
+    tokens_per_gpu: float | None = None  # tokens/s per GPU
+    memory_gib: float | None = None
+    calibrate: bool = False
+    virtual: int = 1
+    notes: str = ""  # what the source does not say and the layout assumes
+    executor: dict | None = None  # Cluster overrides for what the run's software reached on the hardware
+
+    @property
+    def executed_on(self) -> Cluster:
+        """The cluster as the run's software used it: the hardware with `executor`'s overrides
+        (the search's own picks run on the hardware itself)."""
+        return replace(self.cluster, **self.executor) if self.executor else self.cluster
+
+    def step_seconds(self, model_flops: float) -> float:
+        """The published step time, in seconds."""
+        if self.published_step is not None:
+            return self.published_step
+        if self.tokens_per_gpu is not None:
+            return self.global_batch * self.seq / (self.tokens_per_gpu * self.cluster.gpus)
+        flops = megatron_flops(self.spec, self.global_batch, self.seq) if self.source.startswith("megatron") \
+            else model_flops
+        return flops / (self.cluster.gpus * self.tflops * 1e12)
+
+
+def corpus() -> list[Run]:
+    runs = []
+    a100 = lambda gpus: Cluster(gpus, device="a100")  # noqa: E731  Selene: DGX A100 80 GB, 8 x 200 Gb/s HDR per node
+    # Megatron Table 1: (billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, microbatch size,
+    # virtual stages). Full recompute (eq. 3 counts it), no ZeRO, no sequence parallelism (2021), fp16. The
+    # microbatch sizes and the interleaved schedule's stages (--num-layers-per-virtual-pipeline-stage) are the
+    # paper's own launch script's (SOURCES["megatron-t1"]).
+    for b, heads, hidden, layers, tp, pp, gpus, batch, tflops, micro, virtual in (
+            (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+            (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+            (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+            (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+            (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1)):
+        dp = gpus // (tp * pp)
+        schedule = dict(schedule="interleaved-1f1b") if virtual > 1 else {}
+        runs.append(Run(f"megatron {b}B tp{tp} pp{pp} x{gpus}", "megatron-t1", f"{b}B row",
+                        megatron_gpt(b, heads, hidden, layers), a100(gpus), 2048, batch,
+                        dict(dp=dp, tp=tp, pp=pp, recompute="full", microbatches=batch // dp // micro, **schedule), micro,
+                        tflops=tflops, calibrate=b in (1.7, 7.5, 39.1, 145.6, 529.6), virtual=virtual,
+                        executor=MEGATRON_EXECUTOR))
+    # Megatron Table 2: ZeRO-3 (DeepSpeed) without model parallelism, and PTD-P (tp8, pp12 / pp35), full recompute.
+    # DeepSpeed's ZeRO-3 of 2021 moved its bytes across nodes at one NIC's rate per node, not over the node's
+    # eight: doubling the GPUs at a fixed batch left its step time unchanged (66.7 s at 768 and 1536 GPUs), and
+    # (published - compute) s carries its 3 x 349 GB of gathers and reduce-scatter at 19-28 GB/s a GPU, one HDR
+    # NIC's 20-25 (NCCL's eight rings would reach 160). Modelled as nics_per_node=1 on its rows: no number is
+    # fitted, but the choice was read off the 175B rows' scaling; the 530B rows test it. DeepSpeed ran
+    # Megatron-LM's GPT, its fused kernels and attention.
+    gpt175, gpt530 = megatron_gpt(174.6, 96, 12288, 96), megatron_gpt(529.6, 128, 20480, 105)
+    for spec, batch, gpus, micro, tflops in ((gpt175, 1536, 384, 4, 144), (gpt175, 1536, 768, 2, 88),
+                                             (gpt175, 1536, 1536, 1, 44), (gpt530, 2560, 640, 4, 138),
+                                             (gpt530, 2240, 1120, 2, 98), (gpt530, 2240, 2240, 1, 48)):
+        runs.append(Run(f"megatron {spec.name} zero3 x{gpus}", "megatron-t2", f"ZeRO-3 {spec.name} {gpus} GPUs",
+                        spec, a100(gpus), 2048, batch,
+                        dict(dp=gpus, zero=3, recompute="full", microbatches=batch // gpus // micro), micro,
+                        tflops=tflops, executor=dict(nics_per_node=1, **MEGATRON_EXECUTOR),
+                        notes="DeepSpeed's collectives cross nodes on one NIC per node (the published rates')"))
+    for spec, pp, batch, gpus, tflops in ((gpt175, 12, 1536, 384, 153), (gpt175, 12, 1536, 768, 149),
+                                          (gpt175, 12, 1536, 1536, 141), (gpt530, 35, 2240, 560, 171),
+                                          (gpt530, 35, 2240, 1120, 167), (gpt530, 35, 2240, 2240, 159)):
+        dp = gpus // (8 * pp)
+        runs.append(Run(f"megatron {spec.name} tp8 pp{pp} x{gpus}", "megatron-t2", f"PTD-P {spec.name} {gpus} GPUs",
+                        spec, a100(gpus), 2048, batch,
+                        dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1,
+                        tflops=tflops, notes="1F1B assumed", executor=MEGATRON_EXECUTOR))
+    # Korthikanti et al.: tp8, dp 1; full recompute vs sp + selective (one sequence a microbatch assumed).
+    for b, heads, hidden, layers, pp, gpus, batch, full, present in (
+            (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
+            (530, 128, 20480, 105, 35, 280, 280, 49.05, 37.83), (1000, 160, 25600, 128, 64, 512, 512, 94.42, 71.49)):
+        spec = megatron_gpt(b, heads, hidden, layers)
+        for label, step, extra in (("full recompute", full, dict(recompute="full")),
+                                   ("sp + selective", present, dict(recompute="selective", sequence_parallel=True))):
+            runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
+                            dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1,
+                            published_step=step, executor=MEGATRON_EXECUTOR,
+                            notes="one sequence a microbatch, 1F1B assumed"))
+    # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
+    # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
+    # microbatch assumed.
+    h100 = lambda gpus: Cluster(gpus, device="h100")  # noqa: E731
+    for gpus, seq, cp, dp, per_dp, tflops, held_out in ((8192, 8192, 1, 64, 32, 430, False),
+                                                         (16384, 8192, 1, 128, 16, 400, False),
+                                                         (16384, 131072, 16, 8, 16, 380, True)):
+        runs.append(Run(f"llama3 405B x{gpus} seq {seq}", "llama3", f"{gpus} GPUs seq {seq}", MODELS["llama3-405b"],
+                        h100(gpus), seq, dp * per_dp,
+                        dict(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, microbatches=per_dp,
+                             schedule="interleaved-1f1b", reduce_dtype=FP32), 1, tflops=tflops, calibrate=not held_out, virtual=4,
+                        notes="ZeRO-2, interleaved v4, no recompute assumed (Meta's pipeline schedule is its own)"))
+    # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
+    # selective AC, bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by torchtitan's own note).
+    # Its peak is "between SXM and NVL" (989 and 835 TFLOP/s): the midpoint.
+    titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
+    for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
+                                     (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
+        runs.append(Run(f"torchtitan 8B fsdp{gpus} {label}", "torchtitan", f"Table {1 if gpus == 8 else 3} {label}",
+                        MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
+                        dict(dp=gpus, zero=3, recompute="selective", microbatches=1, reduce_dtype=FP32,
+                             bucket_mb=FSDP_BUCKET_MB), 2,
+                        tokens_per_gpu=tps,
+                        memory_gib=memory))
+    # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
+    # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute. Rows at 2048 tokens
+    # (and two at 8192), one per model size and device. Every other size calibrates (the H100's with Llama 3's
+    # two 8K runs), the rest are held out.
+    mpt = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+           "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+           "70b": (8192, 64, 80)}
+    calibrating = {("a100", "125m", 2048), ("a100", "760m", 2048), ("a100", "3b", 2048), ("a100", "13b", 2048),
+                   ("a100", "30b", 2048), ("a100", "7b", 8192), ("h100", "1b", 2048), ("h100", "7b", 2048),
+                   ("h100", "30b", 2048)}
+    for device, size, seq, gpus, micro, accum, checkpointing, tokens_per_gpu in (
+            ("a100", "125m", 2048, 8, 40, 2, False, 142830), ("a100", "350m", 2048, 8, 32, 2, False, 58782),
+            ("a100", "760m", 2048, 8, 24, 2, False, 32434), ("a100", "1b", 2048, 8, 14, 4, False, 20513),
+            ("a100", "3b", 2048, 8, 10, 2, False, 10811), ("a100", "7b", 2048, 8, 6, 2, False, 4641),
+            ("a100", "13b", 2048, 8, 2, 3, False, 2262), ("a100", "30b", 2048, 8, 3, 21, True, 916),
+            ("a100", "70b", 2048, 64, 8, 4, True, 410), ("a100", "7b", 8192, 8, 8, 2, True, 3206),
+            ("a100", "13b", 8192, 8, 5, 3, True, 1795),
+            ("h100", "1b", 2048, 8, 14, 1, False, 45455), ("h100", "3b", 2048, 16, 10, 3, False, 24142),
+            ("h100", "7b", 2048, 8, 6, 1, False, 10643), ("h100", "13b", 2048, 64, 2, 1, False, 4800),
+            ("h100", "30b", 2048, 8, 3, 21, True, 2002), ("h100", "70b", 2048, 64, 8, 4, True, 1039),
+            ("h100", "7b", 8192, 8, 8, 2, True, 6935)):
+        hidden, heads, layers = mpt[size]
+        spec = gpt2_like(f"mpt-{size}", layers, hidden, heads, 50368, seq)
+        runs.append(Run(f"mpt {size} {device} seq {seq} fsdp{gpus}", "llm-foundry", f"{device} {size} {seq} {gpus} GPUs",
+                        spec, Cluster(gpus, device=device), seq, micro * accum * gpus,
+                        dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum,
+                             reduce_dtype=None if (device, size) == ("a100", "70b") else FP32,
+                             bucket_mb=FSDP_BUCKET_MB), micro,
+                        tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating))
+    return runs
+
+
+def predict(run: Run, cluster: Cluster | None = None):
+    """The planner's Candidate for the run's own layout (bf16 parameters; gradients in float32
+    where the source says the run reduced them so: Llama 3, torchtitan's default, llm-foundry's
+    DEFAULT precision; Megatron's 2021-2022 runs do not say, so theirs are the parameters')."""
+    config = sw.ParallelConfig(param_dtype=torch.bfloat16, **run.config)
+    return sw.plan.evaluate(run.spec, cluster or run.executed_on, config, seq_len=run.seq, global_batch=run.global_batch,
+                            virtual=run.virtual)
