@@ -2,12 +2,15 @@
 
 Each run (bench/published_runs.py) is a model, a cluster and the layout its authors used,
 with the step time they published (or what their tables give it from: FLOP/s per GPU with
-their FLOP count, tokens per second) and memory where they published it. For each the planner predicts the step
-time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among every layout
-the search would consider at the same degrees (dp, tp, pp, cp). Then, per model, the search's
-own best pick is checked against the best MFU anyone published for that model and device, and
-its hardware FLOP rate (HFU: recomputation counted) against the best any run of that size
-reached there.
+their FLOP count, tokens per second) and memory where they published it. For each the planner
+predicts the step time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among
+every layout the search would consider at the same degrees (dp, tp, pp, cp). Then, per model,
+the search's own best pick is checked against the best MFU anyone published for that model and
+device, and its hardware FLOP rate (HFU: recomputation counted) against the best any run of that
+size reached there. A pick more than 5 points above gets two more lines: the FLOP rate it needs
+against the best a published run reached on the device with weight matrices no larger per GPU,
+and a walk from the published layout to the pick, one group of choices at a time (`walk`), with
+the points each step gains and the time terms it moves.
 
 The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-scaling table,
 every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
@@ -35,8 +38,9 @@ import shardwise as sw
 from shardwise.planner import Cluster
 from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES
 from shardwise.planner.cost import evaluate as evaluate_layouts
+from shardwise.planner.format import TIME_LABELS
 from shardwise.planner.model import ModelSpec
-from shardwise.planner.search import _factorizations, _inner_grid, search
+from shardwise.planner.search import Candidate, _factorizations, _inner_grid, search
 
 from published_runs import GIB, MEGATRON_EXECUTOR, Run, corpus, predict
 
@@ -50,6 +54,11 @@ def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, model_flops
     active = spec.layer_params[0] + spec.active_expert_params
     extra = {"full": 2 * active + 2 * spec.hidden * seq, "selective": 2 * spec.hidden * seq}.get(recompute, 0.0)
     return 1 + spec.layers * extra / model_flops_per_token
+
+
+def largest_matmul(spec: ModelSpec, tp: int) -> float:
+    """Elements of a block's largest weight matrix on one GPU: hidden x ffn / tp."""
+    return spec.hidden * spec.ffn / tp
 
 
 def _per_token(spec: ModelSpec, cluster: Cluster, seq: int, grid) -> np.ndarray:
@@ -103,6 +112,58 @@ def best_without_new_features(spec: ModelSpec, cluster: Cluster, seq: int, globa
         allowed = (cost.memory <= cluster.usable_bytes) & (grid.schedule != SCHEDULE_CODES["zero-bubble"])
         best = max(best, float(np.max(np.where(allowed, mfu, 0.0))))
     return best
+
+
+# From a published layout to the search's pick, one group of choices at a time (the software first: the
+# run's attention and kernels give way to torch's SDPA and eager kernels, the layout unchanged).
+WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bucket_mb")),
+        ("degrees", ("dp", "tp", "pp", "cp", "sequence_parallel", "microbatches")), ("schedule", ("schedule",)))
+
+
+def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
+    """The predictions from the run's own layout on its own software to the search's `pick`:
+    then on the pick's software, then taking the pick's recompute, its ZeRO stage and gradient
+    buckets, its degrees and microbatches (under 1F1B), its schedule: where the pick's gain over
+    the published layout comes from, step by step. Steps that change nothing are left out."""
+    def cost(spec, cluster, config, virtual):
+        return sw.plan.evaluate(spec, cluster, config, seq_len=run.seq, global_batch=run.global_batch, virtual=virtual)
+
+    config, virtual = predict(run).config, run.virtual
+    steps = [("published layout", predict(run))]
+    if run.spec != pick.spec or run.executed_on != run.cluster:
+        steps.append(("flash attention, torch's kernels", cost(pick.spec, run.cluster, config, virtual)))
+    c = pick.config
+    for label, fields in WALK:
+        changed = replace(config, **{f: getattr(c, f) for f in fields})
+        if label == "degrees":
+            changed, virtual = replace(changed, schedule="1f1b"), 1
+            label = (f"dp{c.dp} tp{c.tp}{'+sp' if c.sequence_parallel else ''} pp{c.pp} cp{c.cp} "
+                     f"mb{pick.micro_batch}x{c.microbatches}" + (" 1f1b" if c.pp > 1 else ""))
+        elif label == "schedule":
+            virtual = pick.virtual
+            label = c.schedule + (f"/v{virtual}" if virtual > 1 else "")
+        elif label == "recompute":
+            label = f"recompute {c.recompute or 'none'}"
+        else:
+            label = f"zero{c.zero}" + "".join(
+                text for field, text in (("reduce_dtype", f", gradients in {str(c.reduce_dtype or c.param_dtype)[6:]}"),
+                                         ("bucket_mb", f", {c.bucket_mb:g} MiB buckets"))
+                if getattr(c, field) != getattr(config, field))
+        if changed != config or virtual != steps[-1][1].virtual:
+            config = changed
+            steps.append((label, cost(pick.spec, run.cluster, config, virtual)))
+    return steps
+
+
+def _walk_line(steps: list[tuple[str, Candidate]]) -> str:
+    """Each step's MFU points and the time terms it moved most."""
+    parts = [f"{steps[0][1].mfu:.1%} predicted for the published layout"]
+    for (_, before), (label, after) in zip(steps, steps[1:]):
+        moved = sorted(((after.time_terms[k] - before.time_terms[k], k) for k in after.time_terms), key=lambda m: -abs(m[0]))
+        terms = ", ".join(f"{TIME_LABELS[k]} {d:+.2f} s" for d, k in moved[:2] if abs(d) > 5e-3 * before.step_seconds)
+        parts.append(f"{label} {(after.mfu - before.mfu) * 100:+.1f}" + (f" ({terms})" if terms else "")
+                     + ("" if after.fits else " [does not fit]"))
+    return "; ".join(parts)
 
 
 def _calibration_error(runs: list[Run], fused: float, **device) -> float:
@@ -178,7 +239,7 @@ def main() -> None:
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
         share = hardware_share(r.spec, r.seq, got.config.recompute, got.model_flops / (r.global_batch * r.seq))
-        published_mfu.append((r.cluster.device, r.spec.params, mfu, mfu * share))
+        published_mfu.append((r.cluster.device, r.spec.params, mfu, mfu * share, r.name, largest_matmul(r.spec, got.config.tp)))
         placed = ranks(r, got.step_seconds)
         # the share of the fitting layouts predicted faster than the published one: 0% = the fastest
         shares = [(position - 1) / fitting if fitting else float("nan") for position, fitting, _ in placed]
@@ -211,7 +272,7 @@ def main() -> None:
         return
     print(f"\nthe search's best pick per run against the best MFU published on its device for a model of "
           f"1/{SIZE_BAND:g}x to {SIZE_BAND:g}x its size:")
-    over, over_hardware, without_new, on_own_software = [], [], [], []
+    over, over_hardware, without_new, on_own_software, beyond_shown = [], [], [], [], []
     for r in runs:
         # the pick as shardwise runs it: torch's SDPA (flash attention), on the hardware itself
         best = search(replace(r.spec, attention="flash"), r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1,
@@ -219,7 +280,7 @@ def main() -> None:
         if not best:
             print(f"  {r.name:<42} nothing fits")
             continue
-        band = [(m, h) for device, params, m, h in published_mfu
+        band = [(m, h) for device, params, m, h, *_ in published_mfu
                 if device == r.cluster.device and 1 / SIZE_BAND <= params / r.spec.params <= SIZE_BAND]
         published, hardware = max(m for m, _ in band), max(h for _, h in band)
         pick = best[0]
@@ -238,12 +299,24 @@ def main() -> None:
             on_own_software.append(own_software - published)
         print(f"  {r.name:<42} {pick.layout():<66} MFU {pick.mfu:6.1%} vs published {published:6.1%} "
               f"({gap:+.1f} points); HFU {pick_hardware:6.1%} vs {hardware:6.1%} ({hardware_gap:+.1f}){older}")
+        if gap > 5:
+            # the FLOP rate the pick needs against the best a published run reached on the device with
+            # weight matrices no larger per GPU than the pick's (larger matmuls run nearer the peak)
+            shown, by = max((h, name) for device, _, _, h, name, matmul in published_mfu
+                            if device == r.cluster.device and matmul <= largest_matmul(r.spec, pick.config.tp))
+            beyond_shown += [r.name] if pick_hardware > shown else []
+            print(f"      needs HFU {pick_hardware:.1%}, the device ran {shown:.1%} ({by}); from "
+                  + _walk_line(walk(r, pick)))
     print(f"{len(over)} of {len(runs)} picks more than 5 MFU points above: {', '.join(over) or 'none'}")
     if without_new:
         print(f"  without zero-bubble schedules and context parallelism they stay {min(without_new) * 100:+.1f} to "
               f"{max(without_new) * 100:+.1f} points above: their promise rests on the rest of the layout; "
               f"run also with the attention and kernels of the run's own software, {min(on_own_software) * 100:+.1f} "
               f"to {max(on_own_software) * 100:+.1f}")
+    if over:
+        print(f"  of those, {len(over) - len(beyond_shown)} need no more of the peak (HFU) than a published run "
+              f"reached on the same device with weight matrices no larger per GPU"
+              + (f"; the rest: {', '.join(beyond_shown)}" if beyond_shown else ""))
     print(f"{len(over_hardware)} of {len(runs)} picks would run more than 5 points of the peak above the FLOP rate "
           f"(HFU: recomputation counted) any published run of their size reached on their device: "
           f"{', '.join(over_hardware) or 'none'}")

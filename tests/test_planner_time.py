@@ -261,6 +261,30 @@ def test_published_runs_within_bounds():
     assert statistics.median(errors[True] + errors[False]) <= 0.10
 
 
+def test_walk_from_a_published_layout_ends_at_the_pick():
+    """bench/planner_published.py explains a pick's MFU over a published run by walking from the
+    run's layout to the pick one group of choices at a time. The walk must start at the run's own
+    prediction and end at the pick's exactly, else its steps credit gains to the wrong choices.
+    Fault: a step that forgets a field (sequence parallelism with the degrees) ends elsewhere."""
+    from dataclasses import replace
+
+    import planner_published as analysis
+    from shardwise.planner.search import search
+
+    runs = {r.name: r for r in published.corpus()}
+    for name, first_steps in (("korthikanti 175B sp + selective", ["published layout", "flash attention, torch's kernels"]),
+                              ("mpt 70b a100 seq 2048 fsdp64", ["published layout", "recompute none"])):
+        run = runs[name]
+        pick = search(replace(run.spec, attention="flash"), run.cluster, global_batch=run.global_batch,
+                      seq_len=run.seq, top=1, dtypes=(2,))[0]
+        steps = analysis.walk(run, pick)
+        assert [label for label, _ in steps[:2]] == first_steps
+        assert steps[0][1].time_terms == published.predict(run).time_terms
+        last = steps[-1][1]
+        assert last.config == pick.config and last.virtual == pick.virtual
+        assert last.time_terms == pick.time_terms and last.memory_terms == pick.memory_terms
+
+
 def test_evaluate_exposes_the_new_terms():
     c = sw.plan.evaluate("llama3-8b", Cluster(16, device="h100"),
                          sw.ParallelConfig(tp=2, pp=2, microbatches=4, param_dtype=torch.bfloat16), seq_len=4096,
