@@ -115,7 +115,7 @@ def best_without_new_features(spec: ModelSpec, cluster: Cluster, seq: int, globa
 
 
 # From a published layout to the search's pick, one group of choices at a time (the software first: the
-# run's attention and kernels give way to torch's SDPA and eager kernels, the layout unchanged).
+# run's attention, kernels and collectives give way to shardwise's on the hardware, the layout unchanged).
 WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bucket_mb")),
         ("degrees", ("dp", "tp", "pp", "cp", "sequence_parallel", "microbatches")), ("schedule", ("schedule",)))
 
@@ -130,8 +130,11 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
 
     config, virtual = predict(run).config, run.virtual
     steps = [("published layout", predict(run))]
-    if run.spec != pick.spec or run.executed_on != run.cluster:
-        steps.append(("flash attention, torch's kernels", cost(pick.spec, run.cluster, config, virtual)))
+    software = [("flash attention", run.spec != pick.spec), ("torch's kernels", "elementwise" in (run.executor or {})),
+                ("collectives on every NIC", "nics_per_node" in (run.executor or {}))]
+    if any(changed for _, changed in software):
+        steps.append((", ".join(name for name, changed in software if changed),
+                      cost(pick.spec, run.cluster, config, virtual)))
     c = pick.config
     for label, fields in WALK:
         changed = replace(config, **{f: getattr(c, f) for f in fields})
