@@ -4,7 +4,9 @@ Each run (bench/published_runs.py) is a model, a cluster and the layout its auth
 with the step time they published (or what their tables give it from: FLOP/s per GPU with
 their FLOP count, tokens per second) and memory where they published it. For each the planner
 predicts the step time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among
-every layout the search would consider at the same degrees (dp, tp, pp, cp). Then, per model,
+every layout the search would consider at the same degrees (dp, tp, pp, cp). Where the authors
+published the same work in two layouts (`alternatives`), the predicted ratio of their step times
+is set against the published one: the only direct test of the planner's choices. Then, per model,
 the search's own best pick is checked against the best MFU anyone published for that model and
 device, and its hardware FLOP rate (HFU: recomputation counted) against the best any run of that
 size reached there. A pick more than 5 points above gets two more lines: the FLOP rate it needs
@@ -54,6 +56,36 @@ def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, model_flops
     active = spec.layer_params[0] + spec.active_expert_params
     extra = {"full": 2 * active + 2 * spec.hidden * seq, "selective": 2 * spec.hidden * seq}.get(recompute, 0.0)
     return 1 + spec.layers * extra / model_flops_per_token
+
+
+def alternatives(runs: list[Run]) -> list[tuple[Run, Run]]:
+    """Pairs of runs their authors published for the same work (model, GPUs, sequence length and
+    batch) in different layouts or options: Korthikanti's full recompute against sequence
+    parallelism with selective recompute, Megatron's ZeRO-3 against PTD-P."""
+    pairs = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            same_work = (a.spec.name, a.cluster, a.seq, a.global_batch) == (b.spec.name, b.cluster, b.seq, b.global_batch)
+            if same_work and a.config != b.config:
+                pairs.append((a, b))
+    return pairs
+
+
+def print_alternatives(runs: list[Run], times: dict[str, tuple[float, float]]) -> None:
+    """How the planner weighs one published choice against another: for each pair of
+    `alternatives`, the published and predicted step-time ratios. The corpus's only direct
+    test of the rankings the search makes."""
+    pairs = alternatives(runs)
+    print(f"published alternatives for the same work ({len(pairs)} pairs), step time of the first over the second:")
+    agree, misses = 0, []
+    for a, b in pairs:
+        published, predicted = times[a.name][0] / times[b.name][0], times[a.name][1] / times[b.name][1]
+        agree += (published > 1) == (predicted > 1)
+        misses.append(abs(predicted / published - 1))
+        print(f"  {a.name} / {b.name}: published {published:.3f}, predicted {predicted:.3f} "
+              f"({predicted / published - 1:+.1%})")
+    print(f"  the planner orders {agree} of {len(pairs)} as published; the ratio is off by a median "
+          f"{statistics.median(misses):.1%}, at most {max(misses):.1%}")
 
 
 def largest_matmul(spec: ModelSpec, tp: int) -> float:
@@ -234,11 +266,13 @@ def main() -> None:
     print(f"{'run':<42} {'part':<5} {'pub s':>8} {'pred s':>8} {'err':>7} {'pub MFU':>7} {'fits':>4} "
           f"{'mem GiB':>8} {'pub':>6} {'own':>9} {'gap':>5} {'degree':>6} {'all':>6}")
     errors: dict[str, list[float]] = {"calibration": [], "held out": []}
+    times: dict[str, tuple[float, float]] = {}  # run: (published, predicted) seconds
     memory_errors, published_mfu, faster, own_gaps = [], [], ([], [], []), []
     for r in runs:
         got = predict(r)
         published = r.step_seconds(got.model_flops)
         error = got.step_seconds / published - 1
+        times[r.name] = (published, got.step_seconds)
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
         share = hardware_share(r.spec, r.seq, got.config.recompute, got.model_flops / (r.global_batch * r.seq))
@@ -263,6 +297,7 @@ def main() -> None:
         print(f"assumed where the source does not say ({', '.join(r.name for r in runs if r.notes == note)}): {note}")
     if memory_errors:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
+    print_alternatives(runs, times)
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
     for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees"),
                              faster):

@@ -285,6 +285,21 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
         assert last.time_terms == pick.time_terms and last.memory_terms == pick.memory_terms
 
 
+def test_published_alternatives_are_the_same_work_in_other_layouts():
+    """The bench's A/B check pairs runs published for the same work (model, cluster, sequence and
+    batch) in different layouts: Korthikanti's four full-recompute / sp + selective pairs and
+    Megatron's five ZeRO-3 / PTD-P pairs at equal GPUs and batch. Faults: pairing by model alone
+    (Megatron's 530B on 640 GPUs against 560) or keeping pairs of one layout (torchtitan's eager
+    and compiled runs differ in no choice the planner makes) change the set."""
+    import planner_published as analysis
+
+    pairs = {(a.name, b.name) for a, b in analysis.alternatives(published.corpus())}
+    korthikanti = {(f"korthikanti {b}B full recompute", f"korthikanti {b}B sp + selective") for b in (22, 175, 530, 1000)}
+    megatron = {(f"megatron gpt-{b} zero3 x{g}", f"megatron gpt-{b} tp8 pp{pp} x{g}")
+                for b, pp, gpus in (("174.6b", 12, (384, 768, 1536)), ("529.6b", 35, (1120, 2240))) for g in gpus}
+    assert pairs == korthikanti | megatron
+
+
 def test_evaluate_exposes_the_new_terms():
     c = sw.plan.evaluate("llama3-8b", Cluster(16, device="h100"),
                          sw.ParallelConfig(tp=2, pp=2, microbatches=4, param_dtype=torch.bfloat16), seq_len=4096,
