@@ -47,9 +47,12 @@ MIXTURES = ("mixtral",)
 
 
 def build(kind: str) -> nn.Module:
+    """A small model of `kind`: "gpt", "gpt-wide" (4x the width: parameters outweigh one
+    sequence's activations, as in a large model's step), "llama", "llama-eager", "mixtral"."""
     torch.manual_seed(0)
-    if kind == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=WIDTH))
+    if kind in ("gpt", "gpt-wide"):
+        width = 4 * WIDTH if kind == "gpt-wide" else WIDTH
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=width))
     shape = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
                  num_hidden_layers=LAYERS, intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
     if kind == "mixtral":  # 4 experts, 2 per token
@@ -160,8 +163,18 @@ def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
 
 def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
     """The most `step` adds to the bytes allocated on `device` at any moment: torch's profiler
-    records every allocation and free with its size, in order."""
+    records every allocation and free with its size, in order. Left out: what a collective
+    allocates inside the process group (gloo clones a reduce-scatter's input and stages an
+    all-gather's; NCCL's buffers are its own, outside torch's allocator), the backend's and
+    not the executor's, which the planner predicts for NCCL."""
     from torch._C._profiler import _EventType
+
+    def in_backend(node) -> bool:
+        while node is not None:
+            if node.name.startswith(("c10d::", "gloo:")):
+                return True
+            node = node.parent
+        return False
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
@@ -170,9 +183,17 @@ def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
         node = nodes.pop()
         nodes.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == device.type:
-            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr,
+                                node.extra_fields.alloc_size > 0 and in_backend(node.parent)))
     live = peak = 0
-    for _, size in sorted(allocations):
+    backend: set[int] = set()  # addresses the backend holds now
+    for _, size, ptr, inside in sorted(allocations, key=lambda a: a[0]):
+        if inside:
+            backend.add(ptr)
+            continue
+        if size < 0 and ptr in backend:
+            backend.discard(ptr)
+            continue
         live += size
         peak = max(peak, live)
     return peak
@@ -186,7 +207,7 @@ def measure_peak(cases: list[tuple]) -> list[tuple[float, float]]:
     for kind, options, *micro in cases:
         config = sw.ParallelConfig(**options)
         batch = _batch(config.microbatches, *micro)
-        pm = sw.parallelize(build(kind), config, plan=kind if config.tp > 1 else None, sample=batch)
+        pm = sw.parallelize(build(kind), config, plan=kind.split("-")[0] if config.tp > 1 else None, sample=batch)
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
         def step():
@@ -217,16 +238,21 @@ def peak_validation(world: int, layouts: list[tuple]) -> list[tuple[str, float]]
     return errors
 
 
-PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
-                ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
-    ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
-    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + [
-    # ZeRO-2/3 over microbatches, where whole gradients weigh most (one sequence a microbatch): reduced
-    # into the shards each microbatch, or (a pipeline's) accumulated whole until the last backward
+# ZeRO-2/3 over microbatches, where whole gradients weigh most (one sequence a microbatch): reduced
+# into the shards each microbatch, or (a pipeline's) accumulated whole until the last backward
+MICROBATCH_PEAKS = [
     ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"dp": 4, "zero": 3, "bucket_mb": 0.02}, 1),  # ZeRO-3's buckets smaller than a block
     ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1)]
+# ZeRO 1-3 where the parameters outweigh the activations (a step's peak comes at the end of
+# backward, when the gradients are all there): what each stage keeps of them shows
+WIDE_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "bucket_mb": 0.02}, 1) for zero in (1, 2, 3)] + [
+    ("gpt-wide", {"dp": 4, "zero": 3, "microbatches": 4}, 1)]
+PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
+                ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
+    ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS
 
 
 BIG_WORLD = 64

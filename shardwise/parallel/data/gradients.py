@@ -264,6 +264,8 @@ class GradientBuckets:
         if done.work is not None:
             self._complete(done)
         done.release()
+        for param in done.params:
+            param.grad = None  # its view of the buffer would keep the whole gradient alive
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for `bucket`'s collective (a shard's: and add it to the step's partial sum)."""

@@ -42,6 +42,9 @@ from .float8_gather import Float8Gather, use_gathered_weight
 from .gradients import GradientBuckets
 
 
+BEFORE_BACKWARD = "_shardwise_before_backward"  # the hook a unit's output carries: (handle, unit)
+
+
 class ParameterShards:
     """Gathers and frees the parameter buffers of ZeRO-3 around each unit's use."""
 
@@ -86,6 +89,10 @@ class ParameterShards:
         # Whole, always: buckets outside any unit, and those shared by pipeline stages (a tied
         # embedding): their stages use them at different times, so gathers would not line up.
         self._kept = [b for b in gradients.buckets if id(b) not in units_of_bucket or not b.reduce.same_params_on_members]
+        # parameter bytes whole now (high precision; float8 gathers apart), and the most at once
+        # since `most_whole_bytes` was last set: the planner charges two units' worth (and the kept)
+        self.whole_bytes = sum(b.param_buffer.untyped_storage().nbytes() for b in gradients.buckets)
+        self.most_whole_bytes = 0
         self.release_all()
 
     # gather and release -------------------------------------------------------------------
@@ -98,6 +105,8 @@ class ParameterShards:
         if id(bucket) not in self._gathered and id(bucket) not in self._works:
             buffer = bucket.param_buffer
             buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            self.whole_bytes += buffer.numel() * buffer.element_size()
+            self.most_whole_bytes = max(self.most_whole_bytes, self.whole_bytes)
             self.stats.record("all_gather", buffer)
             with trace_range(f"launch all-gather of parameter bucket {bucket.index}"):
                 self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
@@ -129,6 +138,7 @@ class ParameterShards:
             return
         if id(bucket) in self._works or id(bucket) in self._works8:  # an unused prefetch: finish it first
             self._gather(bucket, wait_now=True, whole=id(bucket) in self._works)
+        self.whole_bytes -= bucket.param_buffer.untyped_storage().nbytes()
         bucket.param_buffer.untyped_storage().resize_(0)
         self._gathered.discard(id(bucket))
         if id(bucket) in self._float8:
@@ -176,6 +186,14 @@ class ParameterShards:
             for tensor in tensor_leaves(inputs):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, path=path: self._after_backward(path))
+                    # the unit before's output too (a residual stream): hooks run in the order they
+                    # were registered, so move its gather-and-prefetch behind this release, else
+                    # three units are whole at once (this one, that one and the one it prefetches)
+                    unit_output = getattr(tensor, BEFORE_BACKWARD, None)
+                    if unit_output is not None:
+                        handle, before = unit_output
+                        handle.remove()
+                        self._hook_before_backward(tensor, before)
         for bucket in self._needed[path]:
             self._gather(bucket, wait_now=True)
         following = self._neighbour(path, +1)
@@ -191,7 +209,13 @@ class ParameterShards:
         if torch.is_grad_enabled():
             tensors = [t for t in tensor_leaves(output) if t.requires_grad]
             if tensors:
-                tensors[0].register_hook(lambda grad, path=path: self._before_backward(path))
+                self._hook_before_backward(tensors[0], path)
+
+    def _hook_before_backward(self, tensor: torch.Tensor, path: str) -> None:
+        """Gather `path` (and prefetch the unit before it) when the gradient of its output
+        `tensor` arrives; the handle stays on the tensor for a later unit to move."""
+        handle = tensor.register_hook(lambda grad, path=path: self._before_backward(path))
+        setattr(tensor, BEFORE_BACKWARD, (handle, path))
 
     def _before_backward(self, path: str) -> None:
         for bucket in self._needed[path]:
