@@ -80,9 +80,13 @@ def test_per_rank_bytes_follow_the_zero_formulas(zero):
         assert ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in memory.items()) in summary  # summary reports it
 
 
-def _zero3_gathers(_):
+def _zero3_gathers(recomputes):
+    return [_zero3_gathers_under(recompute) for recompute in recomputes]
+
+
+def _zero3_gathers_under(recompute):
     model = make_gpt(0, n_layer=4, d_model=128)
-    pm = sw.parallelize(model, sw.ParallelConfig(zero=3))
+    pm = sw.parallelize(model, sw.ParallelConfig(zero=3, recompute=recompute))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
     shards = pm.param_shards
     buckets = pm.gradients.buckets
@@ -117,12 +121,17 @@ def test_zero3_gathers_each_block_twice_and_frees_between_steps():
     (one in use, one prefetched: two blocks, or the ends and a block) are whole, as the planner
     charges; after it, none. Counted at every gather: where one block's output is the next one's
     input, the release of the later block must run before the earlier one prefetches its
-    neighbour (fault: the hooks in the order they were registered hold three blocks whole)."""
-    for calls, peak, block, ends, after, units in sw.testing.run_on_ranks(_zero3_gathers, 2, None):
-        assert units == 8 and len(ends) == 1, (units, ends)
-        assert calls[1:] == [11, 11], calls  # the first step learns the order (no prefetch yet)
-        assert block < peak <= max(2 * block, ends[0] + block), (peak, ends, block)
-        assert after == 0
+    neighbour (fault: the hooks in the order they were registered hold three blocks whole).
+    The same under full and selective recompute: a forward recomputed in backward must not
+    prefetch the unit after it, whose backward is done (fault: 14 gathers a step, and by the
+    end of backward every block whole)."""
+    recomputes = (None, "full", "selective")
+    for rank in sw.testing.run_on_ranks(_zero3_gathers, 2, recomputes):
+        for recompute, (calls, peak, block, ends, after, units) in zip(recomputes, rank):
+            assert units == 8 and len(ends) == 1, (recompute, units, ends)
+            assert calls[1:] == [11, 11], (recompute, calls)  # the first step learns the order (no prefetch yet)
+            assert block < peak <= max(2 * block, ends[0] + block), (recompute, peak, ends, block)
+            assert after == 0
 
 
 def _gradient_buffers_in_flight(zero: int):

@@ -4,7 +4,8 @@ Buckets are aligned with units (the modules around the main layer list, as for p
 stages), so a unit's parameters live in its own flat buffers. Between uses a buffer keeps
 only this rank's shard; its full storage is released (resized to zero, so views and tensors
 autograd saved stay valid) and re-filled by an all-gather:
-- forward: before a unit runs (the next unit in forward order is prefetched), released
+- forward: before a unit runs (the next unit in forward order is prefetched, except in a
+  forward recomputed for backward, whose next unit is done), released
   after it unless the next unit needs it too, or its backward comes next (the last unit,
   and a forward recomputed in backward);
 - backward: when the gradient of a unit's output arrives (the unit before it is
@@ -196,6 +197,8 @@ class ParameterShards:
                         self._hook_before_backward(tensor, before)
         for bucket in self._needed[path]:
             self._gather(bucket, wait_now=True)
+        if _in_backward():  # a forward recomputed for its backward: the unit after it is done with
+            return
         following = self._neighbour(path, +1)
         for bucket in self._needed.get(following, []) if following else []:
             self._gather(bucket, wait_now=False)  # prefetch
