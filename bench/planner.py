@@ -246,10 +246,12 @@ MICROBATCH_PEAKS = [
     ("gpt", {"dp": 4, "zero": 3, "bucket_mb": 0.02}, 1),  # ZeRO-3's buckets smaller than a block
     ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1)]
 # ZeRO 1-3 where the parameters outweigh the activations (a step's peak comes at the end of
-# backward, when the gradients are all there): what each stage keeps of them shows
+# backward, when the gradients are all there): what each stage keeps of them shows; and the
+# weight gradients torch's zero-bubble executor keeps beside shardwise's buckets
 WIDE_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "bucket_mb": 0.02}, 1) for zero in (1, 2, 3)] + [
     ("gpt-wide", {"dp": 4, "zero": 3, "microbatches": 4}, 1),
-    ("gpt-wide", {"dp": 4, "zero": 3, "recompute": "full", "bucket_mb": 0.02}, 1)]
+    ("gpt-wide", {"dp": 4, "zero": 3, "recompute": "full", "bucket_mb": 0.02}, 1),
+    ("gpt-wide", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "zero-bubble"}, 1)]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})

@@ -79,7 +79,10 @@ def test_peaks_inside_the_step():
       ended (the parameters' .grad views kept them alive; predictions 16% and 12% below the
       peak), and ZeRO-3 three blocks whole for a moment in backward (up to 10% below, in some
       runs: test_zero.py counts the gathers exactly); under recompute, ZeRO-3's recomputed
-      forwards prefetched the unit after them, done with, until every block was whole (23% below). Left
+      forwards prefetched the unit after them, done with, until every block was whole (23% below);
+      torch's zero-bubble executor keeps its weight gradients in .grad tensors of its own beside
+      shardwise's buckets until the step's end (charged as one more copy of the rank's gradients
+      and a stage's being computed; without them 20% below). Left
       out of the measurement: what gloo allocates inside a collective (it clones a
       reduce-scatter's input: 19% on ZeRO-1 here, which launches every bucket at once), the
       backend's and not the executor's; NCCL keeps its buffers outside torch's allocator."""

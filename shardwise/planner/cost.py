@@ -21,7 +21,7 @@ flight and the embedding, or the last, which keeps the logits):
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once, every one of
   them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
   measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
-  keeps until the step ends.
+  keeps until the step ends and the weight gradients it keeps apart from the buckets.
 
 Time: planner/timing.py, term by term (compute as a roofline per matmul, α-β collectives,
 pipeline p2p per microbatch and the bubble, exposed data-parallel and ZeRO-3 traffic, the
@@ -333,11 +333,25 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # bucket's whole gradient from a stage's first backward to its last (without a pipeline each
     # microbatch reduces into the shards: data/gradients.py's reduce_into_shards)
     filling = np.where((L.zero >= 2) & (L.microbatches > 1) & (L.pp > 1), rank_bytes, filling)
+    # without a pipeline, each microbatch after the first lands its reduce-scatters beside the shards
+    # (Bucket.reduced_into): a shard's worth for each launched one still in flight
+    landing = np.where((L.zero >= 2) & (L.microbatches > 1) & (L.pp == 1),
+                       IN_FLIGHT * np.where(L.zero == 3, np.minimum(bucket, block_grads), bucket) / shards, 0.0)
+    filling = filling + landing
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
     sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens),
                     0.0)
-    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + np.minimum(filling, rank_bytes) + sent
+    # and computes a stage's weight gradients at once (torch.autograd.grad over its weights), which
+    # it keeps in .grad tensors of its own until the step's end, when shardwise's buckets take them
+    # one by one: the rank's gradients in the parameters' dtype, beside the buffers ZeRO 0-1 keep
+    # (in place of those ZeRO-2/3 fill), and one stage's being computed
+    zero_bubble = (L.schedule == 3) & (L.pp > 1)
+    torch_grads = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.param_bytes
+    held = np.minimum(filling, rank_bytes)
+    held = np.where(zero_bubble & (L.zero >= 2), np.maximum(held, torch_grads), held)
+    weight_grads = np.where(zero_bubble, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
+    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + held + sent + weight_grads
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last, layers_first, layers_last, bucket)
 
