@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +48,18 @@ from shardwise.planner.search import Candidate, _factorizations, _inner_grid, se
 from published_runs import GIB, MEGATRON_EXECUTOR, Run, corpus, predict
 
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
+
+
+class Reached(NamedTuple):
+    """What a published run reached: its MFU and HFU on its device, its model's parameters and
+    its largest weight matrix per GPU."""
+
+    name: str
+    device: str
+    params: float
+    mfu: float
+    hfu: float
+    matmul: float
 
 
 def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, model_flops_per_token: float) -> float:
@@ -276,7 +289,8 @@ def main() -> None:
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
         share = hardware_share(r.spec, r.seq, got.config.recompute, got.model_flops / (r.global_batch * r.seq))
-        published_mfu.append((r.cluster.device, r.spec.params, mfu, mfu * share, r.name, largest_matmul(r.spec, got.config.tp)))
+        published_mfu.append(Reached(r.name, r.cluster.device, r.spec.params, mfu, mfu * share,
+                                     largest_matmul(r.spec, got.config.tp)))
         placed = ranks(r, got.step_seconds)
         # the share of the fitting layouts predicted faster than the published one: 0% = the fastest
         shares = [(position - 1) / fitting if fitting else float("nan") for position, fitting, _ in placed]
@@ -318,9 +332,9 @@ def main() -> None:
         if not best:
             print(f"  {r.name:<42} nothing fits")
             continue
-        band = [(m, h) for device, params, m, h, *_ in published_mfu
-                if device == r.cluster.device and 1 / SIZE_BAND <= params / r.spec.params <= SIZE_BAND]
-        published, hardware = max(m for m, _ in band), max(h for _, h in band)
+        band = [p for p in published_mfu
+                if p.device == r.cluster.device and 1 / SIZE_BAND <= p.params / r.spec.params <= SIZE_BAND]
+        published, hardware = max(p.mfu for p in band), max(p.hfu for p in band)
         pick = best[0]
         pick_hardware = pick.mfu * hardware_share(r.spec, r.seq, pick.config.recompute,
                                                   pick.model_flops / pick.tokens_per_step)
@@ -340,8 +354,8 @@ def main() -> None:
         if gap > 5:
             # the FLOP rate the pick needs against the best a published run reached on the device with
             # weight matrices no larger per GPU than the pick's (larger matmuls run nearer the peak)
-            shown, by = max((h, name) for device, _, _, h, name, matmul in published_mfu
-                            if device == r.cluster.device and matmul <= largest_matmul(r.spec, pick.config.tp))
+            shown, by = max((p.hfu, p.name) for p in published_mfu
+                            if p.device == r.cluster.device and p.matmul <= largest_matmul(r.spec, pick.config.tp))
             beyond_shown += [r.name] if pick_hardware > shown else []
             print(f"      needs HFU {pick_hardware:.1%}, the device ran {shown:.1%} ({by}); from "
                   + _walk_line(walk(r, pick)))

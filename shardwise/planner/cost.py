@@ -321,7 +321,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # the rank's gradients: in the step's peak, not between steps. A ZeRO-0-2 bucket holds whole
     # tensors (comm.coalesce): up to bucket_bytes, or one tensor past that; the window that holds
     # an end rank's embedding or head holds it and IN_FLIGHT buckets of blocks
-    rank_bytes = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.grad_bytes
+    rank_params = np.where(use_last, params_last + experts_last, params_first + experts_first)
+    rank_bytes = rank_params * L.grad_bytes
     end_first = spec.embed_params[0] / L.tp
     end_last = np.where(tied_elsewhere, end_first, spec.head_params[0] / L.tp)
     end_tensor = np.where(L.pp == 1, np.maximum(end_first, end_last), np.where(use_last, end_last, end_first))
@@ -340,17 +341,15 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     filling = filling + landing
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
-    sent = np.where((L.schedule == 3) & (L.pp > 1), (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens),
-                    0.0)
+    sent = np.where(deferred, (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens), 0.0)
     # and computes a stage's weight gradients at once (torch.autograd.grad over its weights), which
     # it keeps in .grad tensors of its own until the step's end, when shardwise's buckets take them
     # one by one: the rank's gradients in the parameters' dtype, beside the buffers ZeRO 0-1 keep
     # (in place of those ZeRO-2/3 fill), and one stage's being computed
-    zero_bubble = (L.schedule == 3) & (L.pp > 1)
-    torch_grads = np.where(use_last, params_last + experts_last, params_first + experts_first) * L.param_bytes
+    torch_grads = rank_params * L.param_bytes
     held = np.minimum(filling, rank_bytes)
-    held = np.where(zero_bubble & (L.zero >= 2), np.maximum(held, torch_grads), held)
-    weight_grads = np.where(zero_bubble, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
+    held = np.where(deferred & (L.zero >= 2), np.maximum(held, torch_grads), held)
+    weight_grads = np.where(deferred, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + held + sent + weight_grads
     return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last, layers_first, layers_last, bucket)

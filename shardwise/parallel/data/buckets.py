@@ -132,8 +132,11 @@ class Bucket:
             self.summary = self.buffer[self.padded:]
 
     def release(self) -> None:
-        """Free the gradient buffer (ZeRO-2+, after the reduce-scatter)."""
+        """Free the gradient buffer (ZeRO-2+, after the reduce-scatter), and the parameters'
+        `.grad` views of it, which would keep it alive (the gradients live in the shard)."""
         self.buffer, self.views, self.summary = None, [], torch.empty(0)
+        for param in self.params:
+            param.grad = None
 
     def reduced_into(self) -> torch.Tensor:
         """Where this reduction's shard goes: the shard itself, or beside it when the shard

@@ -264,8 +264,6 @@ class GradientBuckets:
         if done.work is not None:
             self._complete(done)
         done.release()
-        for param in done.params:
-            param.grad = None  # its view of the buffer would keep the whole gradient alive
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for `bucket`'s collective (a shard's: and add it to the step's partial sum)."""
@@ -300,8 +298,6 @@ class GradientBuckets:
         self._launch_rest_and_wait()
         for bucket in self.buckets:
             bucket.release()
-        for param in self._slot:
-            param.grad = None  # a view of a released buffer
         self._reset_launches()
 
     def finish(self) -> torch.Tensor | None:
