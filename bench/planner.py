@@ -37,7 +37,7 @@ import shardwise as sw
 from shardwise.config import SCHEDULES
 from shardwise.models import GPT, CausalLM, GPTConfig
 from shardwise.planner import Cluster, model_spec, search
-from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES, Layout, evaluate
+from shardwise.planner.cost import OPTIMIZER_CODES, RECOMPUTE_CODES, SCHEDULE_CODES, Layout, evaluate
 from shardwise.planner.format import table
 
 SEQ, MICRO, VOCAB, WIDTH, HEADS, LAYERS = 64, 8, 64, 64, 4, 4
@@ -120,7 +120,7 @@ def _cost(options: dict, model: nn.Module, world: int, seq: int = SEQ, micro: in
                     virtual=2 if SCHEDULES[config.schedule].interleaved else 1,  # the executor's default
                     param_bytes=config.param_dtype.itemsize if config.param_dtype else 4, ep=config.ep,
                     reduce_bytes=config.reduce_dtype.itemsize if config.reduce_dtype else 0,
-                    bucket_bytes=config.bucket_mb * 2 ** 20)
+                    bucket_bytes=config.bucket_mb * 2 ** 20, optimizer=OPTIMIZER_CODES["for-loop"])  # torch's on CPUs
     return evaluate(model_spec(model), Cluster.local(world), layout, seq)
 
 
@@ -252,10 +252,16 @@ WIDE_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "bucket_mb": 0.02}, 1) for ze
     ("gpt-wide", {"dp": 4, "zero": 3, "microbatches": 4}, 1),
     ("gpt-wide", {"dp": 4, "zero": 3, "recompute": "full", "bucket_mb": 0.02}, 1),
     ("gpt-wide", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "zero-bubble"}, 1)]
+# bf16 parameters under full recompute, where the optimizer step's peak is a step's highest: the
+# float32 copies of the gradients for the float32 masters (bf16 gradients; not with float32 ones)
+# and the for-loop Adam's temporaries, ZeRO-1 on its shard
+STEP_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "param_dtype": torch.bfloat16, "recompute": "full"}, 1)
+              for zero in (0, 1)] + [
+    ("gpt-wide", {"dp": 4, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "recompute": "full"}, 1)]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
-    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS
 
 
 BIG_WORLD = 64

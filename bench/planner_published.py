@@ -39,7 +39,7 @@ import torch
 
 import shardwise as sw
 from shardwise.planner import Cluster
-from shardwise.planner.cost import RECOMPUTE_CODES, SCHEDULE_CODES
+from shardwise.planner.cost import OPTIMIZER_CODES, RECOMPUTE_CODES, SCHEDULE_CODES
 from shardwise.planner.cost import evaluate as evaluate_layouts
 from shardwise.planner.format import TIME_LABELS
 from shardwise.planner.model import ModelSpec
@@ -135,6 +135,7 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
         times = []
         for grid in _bf16_grids(run.spec, groups, run.global_batch):
             grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
+            grid.optimizer = OPTIMIZER_CODES["fused"]  # the run's software's, as predict() has it
             per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
             if same:
                 per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)
@@ -171,12 +172,14 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
     buckets, its degrees and microbatches (under 1F1B), its schedule: where the pick's gain over
     the published layout comes from, step by step. Steps that change nothing are left out."""
     def cost(spec, cluster, config, virtual):
-        return sw.plan.evaluate(spec, cluster, config, seq_len=run.seq, global_batch=run.global_batch, virtual=virtual)
+        return sw.plan.evaluate(spec, cluster, config, seq_len=run.seq, global_batch=run.global_batch, virtual=virtual,
+                                optimizer=pick.optimizer)
 
     config, virtual = predict(run).config, run.virtual
     steps = [("published layout", predict(run))]
     software = [("flash attention", run.spec != pick.spec), ("torch's kernels", "elementwise" in (run.executor or {})),
-                ("collectives on every NIC", "nics_per_node" in (run.executor or {}))]
+                ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
+                (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
     if any(changed for _, changed in software):
         steps.append((", ".join(name for name, changed in software if changed),
                       cost(pick.spec, run.cluster, config, virtual)))

@@ -15,7 +15,7 @@ import torch
 import shardwise as sw
 from parity import torch_pipeline_order
 from shardwise.planner import Cluster, model_spec
-from shardwise.planner.cost import Layout, evaluate
+from shardwise.planner.cost import OPTIMIZER_CODES, Layout, evaluate
 from shardwise.planner.timing import OVERLAP_COST, _overlapped, all_reduce, ring, score_traffic, zero_bubble_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -92,13 +92,19 @@ def test_pipeline_p2p_is_paid_per_microbatch():
 
 
 def test_optimizer_step_and_zero_shards():
-    """The optimizer step streams this rank's shard through HBM: ZeRO-1 divides it by the shards."""
+    """The optimizer step streams this rank's shard through HBM: ZeRO-1 divides it by the shards.
+    A fused optimizer in one pass; torch's foreach Adam as shardwise runs it in nine, with the
+    gradients cast for the float32 masters before and the masters written back after."""
     whole, sharded = _terms(zero=0), _terms(zero=1)
     assert float(whole.optimizer_step / sharded.optimizer_step) == pytest.approx(8)
     spec = model_spec("llama3-8b")
     # 8B bf16 parameters: read parameters and gradients, write parameters (3 x 2 bytes), moments and master
     # weights read and written (24): 30 bytes each over the H100's HBM
-    assert float(whole.optimizer_step) == pytest.approx(spec.params * 30 / 3.35e12, rel=1e-6)
+    fused = _terms(zero=0, optimizer=OPTIMIZER_CODES["fused"])
+    assert float(fused.optimizer_step) == pytest.approx(spec.params * 30 / 3.35e12, rel=1e-6)
+    # foreach: gradients read as bf16 and written as float32 (6), Adam's nine passes (80), masters read and
+    # bf16 parameters written (6), the bf16 gradient buffers zeroed (2): 94 bytes at 0.73 of the link
+    assert float(whole.optimizer_step) == pytest.approx(spec.params * 94 / (0.73 * 3.35e12), rel=1e-6)
 
 
 def test_zero1_gathers_the_updated_parameters_after_the_step():
@@ -272,8 +278,9 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
     from shardwise.planner.search import search
 
     runs = {r.name: r for r in published.corpus()}
-    for name, first_steps in (("korthikanti 175B sp + selective", ["published layout", "flash attention, torch's kernels"]),
-                              ("mpt 70b a100 seq 2048 fsdp64", ["published layout", "recompute none"])):
+    for name, first_steps in (("korthikanti 175B sp + selective",
+                               ["published layout", "flash attention, torch's kernels, torch's foreach Adam"]),
+                              ("mpt 70b a100 seq 2048 fsdp64", ["published layout", "torch's foreach Adam"])):
         run = runs[name]
         pick = search(replace(run.spec, attention="flash"), run.cluster, global_batch=run.global_batch,
                       seq_len=run.seq, top=1, dtypes=(2,))[0]

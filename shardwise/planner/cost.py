@@ -21,7 +21,10 @@ flight and the embedding, or the last, which keeps the logits):
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once, every one of
   them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
   measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
-  keeps until the step ends and the weight gradients it keeps apart from the buckets.
+  keeps until the step ends and the weight gradients it keeps apart from the buckets;
+- the optimizer step's temporaries (`step_temporaries`: float32 copies of the gradients for
+  float32 masters, torch's foreach Adam's square roots), where they outweigh the activations
+  and buffers the backward held: the step comes after those are freed.
 
 Time: planner/timing.py, term by term (compute as a roofline per matmul, α-β collectives,
 pipeline p2p per microbatch and the bubble, exposed data-parallel and ZeRO-3 traffic, the
@@ -44,6 +47,11 @@ from .timing import boundary_bytes, step_times
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
+# How the optimizer runs. "fused": one kernel reading the gradients where they lie (Megatron's, DeepSpeed's and
+# Apex's Adam: the published runs'). "foreach": torch's default on GPUs as shardwise runs it (the gradients cast
+# to float32 for float32 masters, one float32 temporary per element). "for-loop": torch's default on CPUs (the
+# casts, and two float32 temporaries of the largest tensor).
+OPTIMIZER_CODES = {"fused": 0, "foreach": 1, "for-loop": 2}
 FLOAT32 = 4
 
 
@@ -66,6 +74,7 @@ class Layout:
     ep: np.ndarray | float = 1.0  # experts split over this many of the dp ranks
     reduce_bytes: np.ndarray | float = 0.0  # gradients' dtype (ParallelConfig.reduce_dtype); 0: param_bytes
     bucket_bytes: np.ndarray | float = ParallelConfig.bucket_mb * 2 ** 20  # ParallelConfig.bucket_mb, in bytes
+    optimizer: np.ndarray | float = OPTIMIZER_CODES["foreach"]
 
     @property
     def grad_bytes(self):
@@ -82,6 +91,7 @@ class Cost:
     optimizer: np.ndarray
     activations: np.ndarray  # what the schedule holds at its peak
     buffers: np.ndarray
+    step_temporaries: np.ndarray  # what the optimizer step holds beyond the backward's peak
     compute: np.ndarray
     recompute: np.ndarray
     tp_comm: np.ndarray
@@ -100,7 +110,7 @@ class Cost:
 
     @property
     def memory(self) -> np.ndarray:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.step_temporaries
 
     @property
     def step_seconds(self) -> np.ndarray:
@@ -246,7 +256,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) ->
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
     memory = _memory(spec, L, seq_len)
     times = step_times(spec, cluster, L, seq_len, memory)
-    return Cost(memory.params, memory.grads, memory.adam, memory.activations, memory.buffers, *times,
+    return Cost(memory.params, memory.grads, memory.adam, memory.activations, memory.buffers, memory.step, *times,
                 sum(memory.first), sum(memory.last), memory.act_first, memory.act_last)
 
 
@@ -259,6 +269,7 @@ class _Memory:
     adam: np.ndarray
     activations: np.ndarray
     buffers: np.ndarray
+    step: np.ndarray  # the optimizer step's temporaries beyond activations + buffers
     params_first: np.ndarray  # parameter counts on the first and last pipeline ranks
     params_last: np.ndarray
     first: tuple  # (params, grads, optimizer) bytes on the first pipeline rank
@@ -351,8 +362,25 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     held = np.where(deferred & (L.zero >= 2), np.maximum(held, torch_grads), held)
     weight_grads = np.where(deferred, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + held + sent + weight_grads
-    return _Memory(params, grads, adam, activations, buffers, params_first + experts_first, params_last + experts_last,
+    step = np.maximum(step_temporaries(spec, L, adam, end_tensor) - activations - buffers, 0.0)
+    return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first, params_last + experts_last,
                    first, last, act_first, act_last, layers_first, layers_last, bucket)
+
+
+def step_temporaries(spec: ModelSpec, L: Layout, adam, end_tensor):
+    """Bytes the optimizer step allocates on a rank whose Adam state is `adam` bytes, when the
+    activations and the backward's buffers are gone (measured on an H200: bench/planner_device.py;
+    on CPUs: bench/planner.py's in-step peak). shardwise gives float32 masters their gradients as
+    float32 copies, all before the step (data/zero.py's load_grads); torch's foreach Adam then
+    holds the square roots of the second moments, one float32 per element, its for-loop two
+    float32 temporaries of one tensor at a time; a fused optimizer none."""
+    masters = L.param_bytes < FLOAT32
+    elements = adam / (2 * FLOAT32 + np.where(masters, FLOAT32, 0))
+    casts = np.where(masters & (L.grad_bytes < FLOAT32) & (L.optimizer != OPTIMIZER_CODES["fused"]),
+                     FLOAT32 * elements, 0.0)
+    largest = np.minimum(np.maximum(largest_block_tensor(spec, L), end_tensor), elements)
+    return casts + np.select([L.optimizer == OPTIMIZER_CODES["foreach"], L.optimizer == OPTIMIZER_CODES["for-loop"]],
+                             [FLOAT32 * elements, 2 * FLOAT32 * largest], 0.0)
 
 
 def largest_block_tensor(spec: ModelSpec, L: Layout):

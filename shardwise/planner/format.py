@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 GIB = 2.0 ** 30
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer", "activations": "activations",
-                 "buffers": "buffers"}
+                 "buffers": "buffers", "step_temporaries": "optimizer step"}
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tp_comm": "tp collectives", "cp_comm": "cp K/V exchange",
                "ep_comm": "ep all-to-all",
                "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "dp/ZeRO exposed",
@@ -35,7 +35,7 @@ def explain(c: "Candidate") -> str:
     """The breakdown of one prediction, and each term against the runner-up's."""
     other = c.runner_up
     lines = [f"{c.layout()}  ({c.spec.name} on {c.cluster.gpus} x {c.cluster.device}, seq {c.seq_len}, "
-             f"{c.tokens_per_step} tokens per step)",
+             f"{c.tokens_per_step} tokens per step, {c.optimizer} optimizer)",
              f"memory on the busiest rank: {c.memory / GIB:.2f} GiB of {c.cluster.usable_bytes / GIB:.1f} usable"]
     for key, label in MEMORY_LABELS.items():
         diff = f"   runner-up {other.memory_terms[key] / GIB:8.2f}" if other else ""

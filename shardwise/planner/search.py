@@ -25,7 +25,7 @@ import torch
 from ..config import ParallelConfig, divisors
 from ..errors import ConfigError
 from .cluster import Cluster
-from .cost import RECOMPUTE_CODES, SCHEDULE_CODES, Cost, Layout
+from .cost import OPTIMIZER_CODES, RECOMPUTE_CODES, SCHEDULE_CODES, Cost, Layout
 from .cost import evaluate as evaluate_layouts
 from .model import ModelSpec, model_spec
 
@@ -34,7 +34,7 @@ MAX_MICRO_BATCH = 16
 VIRTUAL = (2, 4, 8)
 SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
 RECOMPUTE_NAMES = {code: name for name, code in RECOMPUTE_CODES.items()}
-MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "step_temporaries")
 TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm",
               "optimizer_step")
 
@@ -53,6 +53,7 @@ class Candidate:
     tokens_per_step: int
     model_flops: float
     virtual: int = 1  # pipeline stages per rank
+    optimizer: str = "foreach"  # how the optimizer runs (cost.OPTIMIZER_CODES)
     runner_up: "Candidate | None" = field(default=None, repr=False)
 
     @property
@@ -172,8 +173,9 @@ def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Ca
     memory = {name: pick(getattr(cost, name)) for name in MEMORY_TERMS}
     times = {name: pick(getattr(cost, name)) for name in TIME_TERMS}
     tokens = int(pick(layout.dp) * pick(layout.micro_batch) * pick(layout.microbatches) * seq_len)
+    optimizer = next(name for name, code in OPTIMIZER_CODES.items() if code == pick(layout.optimizer))
     return Candidate(config, int(pick(layout.micro_batch)), spec, cluster, seq_len, memory, times, tokens,
-                     pick(cost.model_flops), int(pick(layout.virtual)))
+                     pick(cost.model_flops), int(pick(layout.virtual)), optimizer)
 
 
 @dataclass(eq=False)  # a list of candidates: compared as one, not by its counters
@@ -192,17 +194,19 @@ class SearchResult(list):
 def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_len: int | None = None,
            global_tokens: int | None = None, top: int = 10, replica_batch: int | None = None,
            dtypes: tuple[int, ...] | None = None, progress: bool = False,
-           context_parallel: bool = True) -> SearchResult:
+           context_parallel: bool = True, optimizer: str | None = None) -> SearchResult:
     """The `top` layouts of `model` on `cluster` predicted to fit, fastest per token first.
 
     `global_batch` sequences of `seq_len` tokens per step (or `global_tokens` / seq_len);
     `replica_batch` instead fixes each data-parallel replica's batch (the global batch then
     grows with dp), as `parallelize(..., "auto")` does with its sample batch. `dtypes`:
     parameter bytes to try (default bf16 and float32 on GPUs, float32 locally);
-    `context_parallel=False` leaves cp out (batches that are not dicts).
+    `context_parallel=False` leaves cp out (batches that are not dicts). `optimizer`: how the
+    optimizer runs (`optimizer_code`).
     """
     start = time.perf_counter()
     spec = model_spec(model)
+    code = optimizer_code(cluster, optimizer)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ConfigError(f"seq_len={seq_len!r} must be a positive number of tokens per sequence")
     if spec.max_seq is not None and seq_len > spec.max_seq:
@@ -229,6 +233,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
         layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp)) if batch else None
         if layout is None:
             continue
+        layout.optimizer = code
         cost = evaluate_layouts(spec, cluster, layout, seq_len)
         result.evaluated += layout.dp.size
         fits = cost.memory <= cluster.usable_bytes
@@ -251,14 +256,28 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     return result
 
 
+def optimizer_code(cluster: Cluster, optimizer: str | None) -> int:
+    """`optimizer` ("fused", "foreach" or "for-loop": cost.OPTIMIZER_CODES) as the cost model's
+    code; None: torch's default where the cluster's devices are (foreach on GPUs, for-loop on
+    the local CPU). `sw.build_optimizer(..., fused=True)` still casts the gradients for float32
+    masters: count it as foreach; "fused" is an optimizer that reads them in place."""
+    if optimizer is None:
+        optimizer = "for-loop" if cluster.device == "local" else "foreach"
+    if optimizer not in OPTIMIZER_CODES:
+        raise ConfigError(f"optimizer={optimizer!r}: the planner models {', '.join(map(repr, OPTIMIZER_CODES))} "
+                          "(None: torch's default for the cluster's device)")
+    return OPTIMIZER_CODES[optimizer]
+
+
 def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: int, global_batch: int,
-             virtual: int = 1) -> Candidate:
+             virtual: int = 1, optimizer: str | None = None) -> Candidate:
     """What `config` would cost: the search's prediction for one layout the user has, as a
     `Candidate` (memory and time terms, `explain()`, `fits`), whether or not the search
     would pick it.
 
     `global_batch` sequences of `seq_len` tokens per step, split over the config's replicas
-    and `config.microbatches`; `virtual` pipeline stages per rank (interleaved schedules).
+    and `config.microbatches`; `virtual` pipeline stages per rank (interleaved schedules);
+    `optimizer` how the optimizer runs (`optimizer_code`).
     The config's degrees must cover the cluster (dp may be None: derived).
     """
     spec = model_spec(model)
@@ -298,7 +317,8 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
                     microbatches=np.array([config.microbatches]), schedule=np.array([SCHEDULE_CODES[config.schedule]]),
                     virtual=np.array([virtual]), param_bytes=np.array([nbytes]), ep=np.array([config.ep]),
                     reduce_bytes=np.array([0 if config.reduce_dtype is None else config.reduce_dtype.itemsize]),
-                    bucket_bytes=np.array([config.bucket_mb * 2 ** 20]))
+                    bucket_bytes=np.array([config.bucket_mb * 2 ** 20]),
+                    optimizer=np.array([optimizer_code(cluster, optimizer)]))
     candidate = _candidate(spec, cluster, seq_len, layout, evaluate_layouts(spec, cluster, layout, seq_len), 0)
     candidate.config = config  # the user's, with what the grid does not vary (reduce_dtype, bucket_mb)
     return candidate

@@ -24,7 +24,8 @@ reduction overlaps the last microbatch's backward (ZeRO-1/2's all-gather of the 
 parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed. The optimizer step streams the rank's
-shard of parameters, gradients, moments and master weights through HBM once.
+shard of parameters, gradients, moments and master weights through HBM: once for a fused
+optimizer, nine passes and the casts around them for torch's (`optimizer_bytes`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ MLP_ELEMENTWISE = 3 / 16
 # as this fraction of the overlapped time.
 OVERLAP_COST = 0.25
 FLOAT32 = 4
+# The share of HBM bandwidth torch's foreach Adam kernels reach: 94 bytes an element (optimizer_bytes,
+# bf16 parameters and gradients) of 1.50 B and 3.61 B parameter Llamas in 40.5 and 96.4-97.1 ms on an
+# H200 (4.8 TB/s): 3.48-3.51 TB/s (bench/planner_device.py, torch 2.11)
+TORCH_OPTIMIZER_RATE = 0.73
 # Flash attention against a matmul of its FLOPs: its forward runs near matmul efficiency, its
 # backward does 2.5x the forward's FLOPs (it recomputes the scores) at about 0.7 of the
 # forward's rate (FlashAttention-2, arXiv 2307.08691): (1 + 2.5 / 0.7) / 3 of a matmul's time
@@ -63,7 +68,7 @@ def score_traffic(attention: str, nb):
     return 7 * nb + FLOAT32 + np.where(nb < FLOAT32, nb + FLOAT32, 0)
 
 
-def _gemm(cluster: Cluster, m, n, k, nbytes):
+def matmul_seconds(cluster: Cluster, m, n, k, nbytes):
     """Seconds of one (m x k) @ (k x n) matmul: the slower of its FLOPs and its traffic, plus
     the device's fixed cost of a matmul (launch and the last, partly filled wave of tiles)."""
     return np.maximum(2 * m * n * k / cluster.matmul_flops(nbytes),
@@ -96,7 +101,7 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     h, tp, nb = spec.hidden, L.tp, L.param_bytes
     kv = spec.kv_heads * h / spec.heads
     seq_shard = np.where((L.sp == 1) | (tp == 1), tp, 1)  # elementwise work outside the tp regions
-    time = _gemm(cluster, tokens, (h + 2 * kv) / tp, h, nb) + _gemm(cluster, tokens, h, h / tp, nb)
+    time = matmul_seconds(cluster, tokens, (h + 2 * kv) / tp, h, nb) + matmul_seconds(cluster, tokens, h, h / tp, nb)
     per_unit = cluster.spec.elementwise
     elementwise = per_unit * tokens * h * nb / seq_shard
     if spec.attention != "flash":
@@ -111,11 +116,13 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
         slots = tokens * spec.top_k / np.where(L.sp == 1, tp, 1)
         local = spec.experts / L.ep
         per_expert = slots / local  # balanced routing: a rank's own slots' worth lands on its experts
-        time = time + local * (_gemm(cluster, per_expert, 2 * spec.ffn, h, nb) + _gemm(cluster, per_expert, h, spec.ffn, nb))
+        time = time + local * (matmul_seconds(cluster, per_expert, 2 * spec.ffn, h, nb)
+                               + matmul_seconds(cluster, per_expert, h, spec.ffn, nb))
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * slots * spec.ffn * nb
     else:
         ups = 2 if spec.mlp == "swiglu" else 1
-        time = time + _gemm(cluster, tokens, ups * spec.ffn / tp, h, nb) + _gemm(cluster, tokens, h, spec.ffn / tp, nb)
+        time = time + (matmul_seconds(cluster, tokens, ups * spec.ffn / tp, h, nb)
+                       + matmul_seconds(cluster, tokens, h, spec.ffn / tp, nb))
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * tokens * spec.ffn / tp * nb
     elementwise = elementwise / cluster.spec.hbm_bw
     return time + attention + elementwise, elementwise, time
@@ -125,7 +132,23 @@ def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
     """Forward seconds of the head on one microbatch: the vocabulary matmul (sharded over tp)
     and the cross-entropy's float32 passes over the logits."""
     vocab = spec.vocab / L.tp
-    return _gemm(cluster, tokens, vocab, spec.hidden, L.param_bytes) + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw
+    return (matmul_seconds(cluster, tokens, vocab, spec.hidden, L.param_bytes)
+            + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw)
+
+
+def optimizer_bytes(L):
+    """HBM bytes an Adam step moves per element of the rank's optimizer shard, at the link's
+    full rate. Fused (one kernel): parameters and gradients read, moments and float32 masters
+    read and written, parameters written. torch's foreach or for-loop Adam, as shardwise runs it:
+    float32 masters take float32 copies of their gradients; nine passes (weight decay, the first
+    moment's lerp, the second's scale and addcmul, its square root, the bias correction, epsilon,
+    the addcdiv) move 80 bytes; the masters are written back to the parameters and the gradient
+    buffers zeroed. Those kernels stream at TORCH_OPTIMIZER_RATE of the link."""
+    masters = np.where(L.param_bytes >= FLOAT32, 0, 1)
+    fused = 2 * L.param_bytes + L.grad_bytes + 16 + 8 * masters
+    torch_adam = (np.where(L.grad_bytes < FLOAT32, L.grad_bytes + FLOAT32, 0) * masters + 80
+                  + (FLOAT32 + L.param_bytes) * masters + L.grad_bytes) / TORCH_OPTIMIZER_RATE
+    return np.where(L.optimizer == 0, fused, torch_adam)
 
 
 def boundary_bytes(spec: ModelSpec, L, tokens):
@@ -213,9 +236,5 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     reductions = np.where((L.zero == 2) & (L.pp == 1), L.microbatches, 1)
     dp_comm = np.where(L.zero == 3, zero3, reductions * _overlapped(reduce, last_backward) + gather_after_step)
 
-    # Adam on this rank's shard: parameters and gradients read, moments and float32 master
-    # weights read and written, parameters written
-    shard = rank_params / np.where(L.zero >= 1, shards, 1)
-    per_param = 2 * L.param_bytes + L.grad_bytes + 16 + np.where(L.param_bytes >= 4, 0, 8)
-    optimizer_step = shard * per_param / cluster.spec.hbm_bw
+    optimizer_step = rank_params / np.where(L.zero >= 1, shards, 1) * optimizer_bytes(L) / cluster.spec.hbm_bw
     return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
