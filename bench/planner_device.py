@@ -1,7 +1,7 @@
 """The planner's time and memory model against this machine's own device: matmuls, attention
 and whole training steps measured here, next to what the planner predicts for them.
 
-    python bench/planner_device.py [--steps 6] [--compile] [--profile] [--only-steps] [--json out.json]
+    python bench/planner_device.py [--steps 6] [--compile] [--fused] [--profile] [--only-steps] [--json out.json]
 
 bench/planner_published.py meets the model with other people's runs; this meets it with a
 device in front of us. On a GPU the planner's table entry is chosen from the device's name
@@ -21,7 +21,8 @@ entry is rough and not calibrated).
    time (and apart: forward and backward, the optimizer step) and the peak of allocated memory
    inside the step, against `sw.plan.evaluate` for the same layout; with `--compile`, the
    decoder layers compiled too, against the planner with the corpus's fitted elementwise
-   traffic for fused kernels (24 values per token and hidden unit). `--profile` adds the
+   traffic for fused kernels (24 values per token and hidden unit); with `--fused`, torch's
+   fused AdamW (`fused=True`) against the planner's fused optimizer. `--profile` adds the
    device's kernel time per step by kind (matmul, attention, optimizer, loss, other) and the
    longest kernels.
 
@@ -180,15 +181,17 @@ def _llama(name: str, seq: int, device: torch.device) -> EndToEnd:
 
 
 def measure_step(entry: str, device: torch.device, name: str, seq: int, batch: int, recompute: str | None,
-                 compiled: bool, steps: int, profile: bool = False) -> dict:
+                 compiled: bool, fused: bool = False, steps: int = 6, profile: bool = False) -> dict:
     """One shardwise step of `name` at world 1: median seconds and the in-step allocation peak,
     against sw.plan.evaluate."""
     held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = _llama(name, seq, device)
     config = sw.ParallelConfig(param_dtype=torch.bfloat16, recompute=recompute)
     cluster = cluster_for(entry, **({"elementwise": FUSED_ELEMENTWISE} if compiled else {}))
-    predicted = sw.plan.evaluate(model, cluster, config, seq_len=seq, global_batch=batch)
+    predicted = sw.plan.evaluate(model, cluster, config, seq_len=seq, global_batch=batch,
+                                 optimizer="fused" if fused else None)
     row = {"model": name, "seq": seq, "batch": batch, "recompute": recompute or "none", "compiled": compiled,
+           "optimizer": predicted.optimizer,
            "held_before": held_before, "params": sum(p.numel() for p in model.parameters()), "predicted_s": predicted.step_seconds,
            "predicted_bytes": predicted.memory, "fits": predicted.fits,
            "predicted_terms": {k: v for k, v in predicted.time_terms.items() if v},
@@ -199,7 +202,7 @@ def measure_step(entry: str, device: torch.device, name: str, seq: int, batch: i
     pm = sw.parallelize(model, config)
     if compiled:
         pm.compile()
-    optimizer = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-5)
+    optimizer = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-5, **({"fused": True} if fused else {}))
     vocab = SHAPES[name][5]
     gen = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=gen)} for _ in range(steps)]
@@ -295,7 +298,7 @@ def _print(results: dict) -> None:
 
 def _print_step(r: dict) -> None:
     label = (f"{r['model']} ({r['params'] / 1e9:.2f} B) {r['batch']}x{r['seq']} rc:{r['recompute']}"
-             + (" compiled" if r["compiled"] else " eager"))
+             + (" compiled" if r["compiled"] else " eager") + f", {r['optimizer']} AdamW")
     if "skipped" in r:
         print(f"{label}: {r['skipped']} ({r['predicted_bytes'] / 2 ** 30:.1f} GiB)")
         return
@@ -326,6 +329,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per whole-step case")
     parser.add_argument("--reps", type=int, default=20, help="timed runs per matmul / attention case")
     parser.add_argument("--compile", action="store_true", help="also time compiled decoder layers")
+    parser.add_argument("--fused", action="store_true", help="also time torch's fused AdamW (fused=True)")
     parser.add_argument("--profile", action="store_true", help="kernel time by kind for each whole-step case")
     parser.add_argument("--only-steps", action="store_true", help="skip the matmul and attention sweeps")
     parser.add_argument("--json", help="write the numbers here")
@@ -349,6 +353,8 @@ def main() -> None:
                  ("llama3-3b", 4096, 2, "full", False)]
     if args.compile:
         cases += [(name, seq, batch, recompute, True) for name, seq, batch, recompute, _ in cases[:2]]
+    if args.fused:  # torch's fused AdamW (fused=True) on the first cases
+        cases += [(name, seq, batch, recompute, compiled, True) for name, seq, batch, recompute, compiled in cases[:2]]
     _print(results)
     results["steps"] = []
     for case in cases:

@@ -215,8 +215,8 @@ def predict(run: Run, cluster: Cluster | None = None):
     """The planner's Candidate for the run's own layout (bf16 parameters; gradients in float32
     where the source says the run reduced them so: Llama 3, torchtitan's default, llm-foundry's
     DEFAULT precision; Megatron's 2021-2022 runs do not say, so theirs are the parameters'), and
-    an optimizer step of one fused pass (Megatron's and DeepSpeed's Adam, torchtitan's default;
-    llm-foundry's counted alike)."""
+    a fused optimizer step (Megatron's and DeepSpeed's Adam, torchtitan's default; llm-foundry's
+    counted alike)."""
     config = sw.ParallelConfig(param_dtype=torch.bfloat16, **run.config)
     return sw.plan.evaluate(run.spec, cluster or run.executed_on, config, seq_len=run.seq, global_batch=run.global_batch,
                             virtual=run.virtual, optimizer="fused")

@@ -98,14 +98,17 @@ def test_optimizer_step_and_zero_shards():
     whole, sharded = _terms(zero=0), _terms(zero=1)
     assert float(whole.optimizer_step / sharded.optimizer_step) == pytest.approx(8)
     spec = model_spec("llama3-8b")
-    # 8B bf16 parameters: read parameters and gradients, write parameters (3 x 2 bytes), moments and master
-    # weights read and written (24): 30 bytes each over the H100's HBM
+    # 8B bf16 parameters, bf16 gradients: cast to float32 for the masters (read 2, write 4); the update reads
+    # float32 gradients, reads and writes masters and both moments (28, fused: one pass); masters read and bf16
+    # parameters written (6); the bf16 gradient buffers zeroed (2): 42 bytes over the H100's HBM
+    hbm = 3.35e12
     fused = _terms(zero=0, optimizer=OPTIMIZER_CODES["fused"])
-    assert float(fused.optimizer_step) == pytest.approx(spec.params * 30 / 3.35e12, rel=1e-6)
-    # foreach: gradients read as bf16 and written as float32 (6), Adam's nine passes (80), masters read and
-    # bf16 parameters written (6), the bf16 gradient buffers zeroed (2): 94 bytes at 0.73 of the link
-    assert float(whole.optimizer_step) == pytest.approx(spec.params * 94 / (0.73 * 3.35e12), rel=1e-6)
-
+    assert float(fused.optimizer_step) == pytest.approx(spec.params * 42 / hbm, rel=1e-6)
+    # float32 gradients: no cast, 4 bytes zeroed
+    fp32_grads = _terms(zero=0, optimizer=OPTIMIZER_CODES["fused"], reduce_bytes=4)
+    assert float(fp32_grads.optimizer_step) == pytest.approx(spec.params * 38 / hbm, rel=1e-6)
+    # foreach: Adam's nine passes move 80 in place of the fused 28, at 0.69 of the link
+    assert float(whole.optimizer_step) == pytest.approx(spec.params * (14 + 80 / 0.69) / hbm, rel=1e-6)
 
 def test_zero1_gathers_the_updated_parameters_after_the_step():
     """ZeRO-1/2 all-gather the updated shards after the optimizer step (shardwise's ZeroOptimizer

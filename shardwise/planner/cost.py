@@ -47,10 +47,10 @@ from .timing import boundary_bytes, step_times
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
-# How the optimizer runs. "fused": one kernel reading the gradients where they lie (Megatron's, DeepSpeed's and
-# Apex's Adam: the published runs'). "foreach": torch's default on GPUs as shardwise runs it (the gradients cast
-# to float32 for float32 masters, one float32 temporary per element). "for-loop": torch's default on CPUs (the
-# casts, and two float32 temporaries of the largest tensor).
+# How the optimizer runs: "fused", one kernel (torch's fused=True; Megatron's, DeepSpeed's and Apex's Adam: the
+# published runs'); "foreach", torch's default on GPUs (one float32 temporary per element); "for-loop", torch's
+# default on CPUs (two float32 temporaries of one tensor at a time). Each casts gradients below float32 to float32
+# for float32 masters first (shardwise's load_grads, Megatron's main gradients).
 OPTIMIZER_CODES = {"fused": 0, "foreach": 1, "for-loop": 2}
 FLOAT32 = 4
 
@@ -370,14 +370,13 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
 def step_temporaries(spec: ModelSpec, L: Layout, adam, end_tensor):
     """Bytes the optimizer step allocates on a rank whose Adam state is `adam` bytes, when the
     activations and the backward's buffers are gone (measured on an H200: bench/planner_device.py;
-    on CPUs: bench/planner.py's in-step peak). shardwise gives float32 masters their gradients as
-    float32 copies, all before the step (data/zero.py's load_grads); torch's foreach Adam then
-    holds the square roots of the second moments, one float32 per element, its for-loop two
-    float32 temporaries of one tensor at a time; a fused optimizer none."""
+    on CPUs: bench/planner.py's in-step peak). Float32 masters take their gradients as float32
+    copies, all before the step (shardwise's data/zero.py load_grads; Megatron's main gradients);
+    torch's foreach Adam then holds the square roots of the second moments, one float32 per
+    element, its for-loop two float32 temporaries of one tensor at a time; a fused one none."""
     masters = L.param_bytes < FLOAT32
     elements = adam / (2 * FLOAT32 + np.where(masters, FLOAT32, 0))
-    casts = np.where(masters & (L.grad_bytes < FLOAT32) & (L.optimizer != OPTIMIZER_CODES["fused"]),
-                     FLOAT32 * elements, 0.0)
+    casts = np.where(masters & (L.grad_bytes < FLOAT32), FLOAT32 * elements, 0.0)
     largest = np.minimum(np.maximum(largest_block_tensor(spec, L), end_tensor), elements)
     return casts + np.select([L.optimizer == OPTIMIZER_CODES["foreach"], L.optimizer == OPTIMIZER_CODES["for-loop"]],
                              [FLOAT32 * elements, 2 * FLOAT32 * largest], 0.0)

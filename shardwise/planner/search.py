@@ -259,8 +259,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
 def optimizer_code(cluster: Cluster, optimizer: str | None) -> int:
     """`optimizer` ("fused", "foreach" or "for-loop": cost.OPTIMIZER_CODES) as the cost model's
     code; None: torch's default where the cluster's devices are (foreach on GPUs, for-loop on
-    the local CPU). `sw.build_optimizer(..., fused=True)` still casts the gradients for float32
-    masters: count it as foreach; "fused" is an optimizer that reads them in place."""
+    the local CPU); "fused" for `sw.build_optimizer(pm, torch.optim.AdamW, ..., fused=True)`."""
     if optimizer is None:
         optimizer = "for-loop" if cluster.device == "local" else "foreach"
     if optimizer not in OPTIMIZER_CODES:
