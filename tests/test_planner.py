@@ -275,6 +275,11 @@ def test_plan_command():
                                    "4M", "--top", "1", "--json", "--nics-per-node", "1"])
     assert one_nic.exit_code == 0, one_nic.output  # a node's one NIC carries what eight did: slower
     assert json.loads(one_nic.output)[0]["step_seconds"] > rows[0]["step_seconds"]
+    fused = runner.invoke(main, ["plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-tokens",
+                                 "4M", "--top", "1", "--json", "--optimizer", "fused"])
+    assert fused.exit_code == 0, fused.output  # one pass over the moments, no foreach temporaries: faster
+    assert rows[0]["optimizer"] == "foreach" and json.loads(fused.output)[0]["optimizer"] == "fused"
+    assert json.loads(fused.output)[0]["step_seconds"] < rows[0]["step_seconds"]
     out = runner.invoke(main, ["plan", "--model", "parity:make_gpt", "--gpus", "4", "--device", "local", "--seq", "32",
                                "--global-batch", "8", "--top", "1", "--json"])  # a factory, built on the meta device
     assert out.exit_code == 0, out.output
@@ -296,6 +301,10 @@ def test_search_refuses_bad_requests():
         search("gpt2", Cluster(8), seq_len=128, global_tokens=1000)
     with pytest.raises(ModelError, match="ModelSpec"):
         model_spec(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="optimizer='adam'"):
+        search("gpt2", Cluster(8), seq_len=128, global_batch=8, optimizer="adam")
+    with pytest.raises(ConfigError, match="optimizer='adam'"):
+        sw.plan.evaluate("gpt2", Cluster(8), sw.ParallelConfig(dp=8), seq_len=128, global_batch=8, optimizer="adam")
 
 
 def _auto_run(batches) -> Run:

@@ -59,5 +59,6 @@ def as_json(result: "SearchResult") -> list[dict]:
              "zero": c.config.zero, "sequence_parallel": c.config.sequence_parallel, "micro_batch": c.micro_batch,
              "microbatches": c.config.microbatches, "schedule": c.config.schedule, "virtual_stages": c.virtual,
              "recompute": c.config.recompute, "dtype": "bf16" if c.config.param_dtype is not None else "fp32",
+             "optimizer": c.optimizer,
              "memory_bytes": c.memory_terms, "step_seconds": c.step_seconds, "time_seconds": c.time_terms,
              "mfu": c.mfu, "tokens_per_second_per_gpu": c.tokens_per_second_per_gpu} for c in result]
