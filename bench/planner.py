@@ -48,11 +48,13 @@ MIXTURES = ("mixtral",)
 
 def build(kind: str) -> nn.Module:
     """A small model of `kind`: "gpt", "gpt-wide" (4x the width: parameters outweigh one
-    sequence's activations, as in a large model's step), "llama", "llama-eager", "mixtral"."""
+    sequence's activations, as in a large model's step), "gpt-vocab" (a 16K vocabulary: the
+    loss's logits outweigh the blocks, as Llama 3's 128K do), "llama", "llama-eager", "mixtral"."""
     torch.manual_seed(0)
-    if kind in ("gpt", "gpt-wide"):
+    if kind in ("gpt", "gpt-wide", "gpt-vocab"):
         width = 4 * WIDTH if kind == "gpt-wide" else WIDTH
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=width))
+        vocab = 16384 if kind == "gpt-vocab" else VOCAB
+        return GPT(GPTConfig(vocab_size=vocab, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=width))
     shape = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
                  num_hidden_layers=LAYERS, intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
     if kind == "mixtral":  # 4 experts, 2 per token
@@ -258,10 +260,14 @@ WIDE_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "bucket_mb": 0.02}, 1) for ze
 STEP_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "param_dtype": torch.bfloat16, "recompute": "full"}, 1)
               for zero in (0, 1)] + [
     ("gpt-wide", {"dp": 4, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "recompute": "full"}, 1)]
+# a vocabulary whose logits outweigh the blocks: the cross-entropy's backward holds two gradients
+# of the logits' size beside the kept log-probabilities (bf16: in bf16, as our GPT's loss runs)
+VOCAB_PEAKS = [("gpt-vocab", {"dp": 4}), ("gpt-vocab", {"dp": 4, "param_dtype": torch.bfloat16}),
+               ("gpt-vocab", {"tp": 4}), ("gpt-vocab", {"tp": 2, "dp": 2, "zero": 1, "recompute": "full"})]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
-    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS + VOCAB_PEAKS
 
 
 BIG_WORLD = 64

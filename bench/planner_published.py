@@ -177,7 +177,8 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
 
     config, virtual = predict(run).config, run.virtual
     steps = [("published layout", predict(run))]
-    software = [("flash attention", run.spec != pick.spec), ("torch's kernels", "elementwise" in (run.executor or {})),
+    software = [("flash attention", run.spec.attention != pick.spec.attention),
+                ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss), ("torch's kernels", "elementwise" in (run.executor or {})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
     if any(changed for _, changed in software):
@@ -329,9 +330,9 @@ def main() -> None:
           f"1/{SIZE_BAND:g}x to {SIZE_BAND:g}x its size:")
     over, over_hardware, without_new, on_own_software, beyond_shown = [], [], [], [], []
     for r in runs:
-        # the pick as shardwise runs it: torch's SDPA (flash attention), on the hardware itself
-        best = search(replace(r.spec, attention="flash"), r.cluster, global_batch=r.global_batch, seq_len=r.seq, top=1,
-                      dtypes=(2,))
+        # the pick as shardwise runs it: torch's SDPA (flash attention) and eager cross-entropy, on the hardware itself
+        best = search(replace(r.spec, attention="flash", fused_loss=False), r.cluster, global_batch=r.global_batch,
+                      seq_len=r.seq, top=1, dtypes=(2,))
         if not best:
             print(f"  {r.name:<42} nothing fits")
             continue
@@ -346,7 +347,8 @@ def main() -> None:
         over_hardware += [r.name] if hardware_gap > 5 else []
         older = ""
         if gap > 5:
-            without = best_without_new_features(replace(r.spec, attention="flash"), r.cluster, r.seq, r.global_batch)
+            without = best_without_new_features(replace(r.spec, attention="flash", fused_loss=False), r.cluster, r.seq,
+                                                r.global_batch)
             # and as the run's own software would run it: its attention (Megatron's wrote the scores) and kernels
             own_software = best_without_new_features(r.spec, r.executed_on, r.seq, r.global_batch)
             older = f"; without zero-bubble and cp {without:6.1%}, on its own software {own_software:6.1%}"

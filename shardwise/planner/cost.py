@@ -182,7 +182,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
 def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
     """(first rank, last rank) bytes outside the blocks. First: the embedding's output (on
     sequence shards under sp) and, for rotary models, the cos/sin tables. Last: the final
-    norm's kept tensors and the cross-entropy's float32 log-probabilities (the logits
+    norm's kept tensors and the cross-entropy's log-probabilities (`loss_bytes`; the logits
     themselves are not kept; vocabulary-sharded by the loss-parallel head)."""
     sbh = tokens * spec.hidden
     shard = np.where(sp == 1, tp, 1)
@@ -192,8 +192,29 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
         norm = (2 * FLOAT32 * sbh + FLOAT32 * tokens) / shard
     else:  # output, mean and rstd
         norm = (act_bytes * sbh + 2 * FLOAT32 * tokens) / shard
-    last = norm + FLOAT32 * tokens * spec.vocab / tp
+    last = norm + loss_bytes(spec, act_bytes) * tokens * spec.vocab / tp
     return first, last
+
+
+def loss_bytes(spec: ModelSpec, act_bytes):
+    """Bytes of a log-probability: float32 where the loss upcasts the logits, else theirs."""
+    return FLOAT32 if spec.loss_float32 else act_bytes
+
+
+def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
+    """What the cross-entropy's backward adds on the rank with the head, above the states and a
+    microbatch's saved activations: the gradients of the log-probabilities and of the logits,
+    both alive beside the kept log-probabilities while the log-softmax's backward runs (each
+    tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes first in backward, before the parameters' gradients exist
+    unless gradient buffers keep them between steps (`resident`: dp or cp reduce them); the
+    planner counts `grads` (the rank's gradient bytes) in every case, so only the excess shows.
+    Measured (bench/planner.py VOCAB_PEAKS): a GPT with a 16K vocabulary on 4 CPU ranks, dp (float32
+    and bf16), tp and tp x dp within 0.4% of the in-step peak (45-67% low without it); Llama 3's 128K
+    vocabulary at 8K tokens: 7.8 GiB on an H200."""
+    if spec.fused_loss:
+        return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+    transients = np.where(L.tp > 1, 3, 2) * loss_bytes(spec, L.param_bytes) * tokens * spec.vocab / L.tp
+    return np.maximum(transients - np.where(resident, 0.0, grads), 0.0)
 
 
 def in_flight(layout: Layout) -> np.ndarray:
@@ -323,6 +344,9 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     held_last = held_last + np.where(deferred, np.minimum(L.microbatches, L.pp) * layers_last / L.virtual
                                      * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
+    resident = shards > 1
+    held_last = held_last + loss_backward_bytes(spec, L, tokens, last[1], resident)
+    held_first = held_first + np.where(L.pp == 1, loss_backward_bytes(spec, L, tokens, first[1], resident), 0.0)
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)

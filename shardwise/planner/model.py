@@ -37,6 +37,11 @@ class ModelSpec:
     flash attention), "eager" (Hugging Face's eager attention: the whole s x s square of
     scores written, scaled, masked and softmaxed in float32 in memory) or "megatron"
     (Megatron-LM before 2023: the square through its fused scale-mask-softmax and dropout).
+    `loss_float32`: the cross-entropy runs on float32 logits (Hugging Face's causal-LM loss
+    upcasts them), else in the logits' dtype (our GPT). `fused_loss`: it is a fused kernel
+    (Megatron's vocab-parallel cross-entropy, flash-attn's, a compiled loss) that writes the
+    logits' gradient in place, holding nothing beyond what it keeps; torch's eager one (what
+    shardwise runs: `pmodel.compile()` compiles the blocks) holds two gradients of its size.
     """
 
     name: str
@@ -57,6 +62,8 @@ class ModelSpec:
     top_k: int = 0
     expert_params: int = 0
     attention: str = "flash"
+    loss_float32: bool = True  # the cross-entropy upcasts the logits (Hugging Face's loss); else their dtype
+    fused_loss: bool = False  # a fused cross-entropy: the logits' gradient computed in place
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -158,7 +165,7 @@ def _gpt_spec(cfg: Any) -> ModelSpec:
     return ModelSpec("gpt", cfg.n_layer, h, cfg.n_head, cfg.n_head, f, cfg.vocab_size, "gelu", "layernorm",
                      layer_params=(sharded, replicated), embed_params=(cfg.vocab_size * h, cfg.block_size * h),
                      head_params=(0 if cfg.tie_embeddings else cfg.vocab_size * h, 2 * h), plan="gpt",
-                     max_seq=cfg.block_size)
+                     max_seq=cfg.block_size, loss_float32=False)
 
 
 def from_hf_config(config: Any) -> ModelSpec:
