@@ -205,9 +205,10 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
     """What the cross-entropy's backward adds on the rank with the head, above the states and a
     microbatch's saved activations: the gradients of the log-probabilities and of the logits,
     both alive beside the kept log-probabilities while the log-softmax's backward runs (each
-    tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes first in backward, before the parameters' gradients exist
-    unless gradient buffers keep them between steps (`resident`: dp or cp reduce them); the
-    planner counts `grads` (the rank's gradient bytes) in every case, so only the excess shows.
+    tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes
+    first in backward, before the parameters' gradients exist unless gradient buffers keep them
+    between steps (`resident`: dp or cp reduce them); the planner counts `grads` (the rank's
+    gradient bytes) in every case, so only the excess shows.
     Measured (bench/planner.py VOCAB_PEAKS): a GPT with a 16K vocabulary on 4 CPU ranks, dp (float32
     and bf16), tp and tp x dp within 0.4% of the in-step peak (45-67% low without it); Llama 3's 128K
     vocabulary at 8K tokens: 7.8 GiB on an H200."""
@@ -387,8 +388,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     weight_grads = np.where(deferred, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
     buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + held + sent + weight_grads
     step = np.maximum(step_temporaries(spec, L, adam, end_tensor) - activations - buffers, 0.0)
-    return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first, params_last + experts_last,
-                   first, last, act_first, act_last, layers_first, layers_last, bucket)
+    return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first,
+                   params_last + experts_last, first, last, act_first, act_last, layers_first, layers_last, bucket)
 
 
 def step_temporaries(spec: ModelSpec, L: Layout, adam, end_tensor):
