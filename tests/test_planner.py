@@ -88,7 +88,7 @@ def test_peaks_inside_the_step():
       Llama's peak 27% above the prediction: bench/planner_device.py); with a vocabulary whose
       logits outweigh the blocks (bench.VOCAB_PEAKS), the cross-entropy's backward holds two
       gradients of the logits' size beside the kept log-probabilities (three under tp's
-      loss_parallel; uncharged, 45-67% below: invisible at the other models' 64 tokens). Left
+      loss_parallel; uncharged, 45-67% below: invisible at the other models' 64-token vocabulary). Left
       out of the measurement: what gloo allocates inside a collective (it clones a
       reduce-scatter's input: 19% on ZeRO-1 here, which launches every bucket at once), the
       backend's and not the executor's; NCCL keeps its buffers outside torch's allocator."""
