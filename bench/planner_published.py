@@ -178,7 +178,8 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
     config, virtual = predict(run).config, run.virtual
     steps = [("published layout", predict(run))]
     software = [("flash attention", run.spec.attention != pick.spec.attention),
-                ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss), ("torch's kernels", "elementwise" in (run.executor or {})),
+                ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
+                ("torch's kernels", "elementwise" in (run.executor or {})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
     if any(changed for _, changed in software):

@@ -43,15 +43,10 @@ from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
-from .timing import boundary_bytes, step_times
+from .timing import OPTIMIZER_CODES, boundary_bytes, step_times
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
-# How the optimizer runs: "fused", one kernel (torch's fused=True; Megatron's, DeepSpeed's and Apex's Adam: the
-# published runs'); "foreach", torch's default on GPUs (one float32 temporary per element); "for-loop", torch's
-# default on CPUs (two float32 temporaries of one tensor at a time). Each casts gradients below float32 to float32
-# for float32 masters first (shardwise's load_grads, Megatron's main gradients).
-OPTIMIZER_CODES = {"fused": 0, "foreach": 1, "for-loop": 2}
 FLOAT32 = 4
 
 

@@ -34,6 +34,7 @@ MAX_MICRO_BATCH = 16
 VIRTUAL = (2, 4, 8)
 SCHEDULE_NAMES = {code: name for name, code in SCHEDULE_CODES.items()}
 RECOMPUTE_NAMES = {code: name for name, code in RECOMPUTE_CODES.items()}
+OPTIMIZER_NAMES = {code: name for name, code in OPTIMIZER_CODES.items()}
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "buffers", "step_temporaries")
 TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm",
               "optimizer_step")
@@ -53,7 +54,7 @@ class Candidate:
     tokens_per_step: int
     model_flops: float
     virtual: int = 1  # pipeline stages per rank
-    optimizer: str = "foreach"  # how the optimizer runs (cost.OPTIMIZER_CODES)
+    optimizer: str = "foreach"  # how the optimizer runs (timing.OPTIMIZER_CODES)
     runner_up: "Candidate | None" = field(default=None, repr=False)
 
     @property
@@ -173,9 +174,8 @@ def _candidate(spec, cluster, seq_len, layout: Layout, cost: Cost, i: int) -> Ca
     memory = {name: pick(getattr(cost, name)) for name in MEMORY_TERMS}
     times = {name: pick(getattr(cost, name)) for name in TIME_TERMS}
     tokens = int(pick(layout.dp) * pick(layout.micro_batch) * pick(layout.microbatches) * seq_len)
-    optimizer = next(name for name, code in OPTIMIZER_CODES.items() if code == pick(layout.optimizer))
     return Candidate(config, int(pick(layout.micro_batch)), spec, cluster, seq_len, memory, times, tokens,
-                     pick(cost.model_flops), int(pick(layout.virtual)), optimizer)
+                     pick(cost.model_flops), int(pick(layout.virtual)), OPTIMIZER_NAMES[int(pick(layout.optimizer))])
 
 
 @dataclass(eq=False)  # a list of candidates: compared as one, not by its counters
@@ -257,7 +257,7 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
 
 
 def optimizer_code(cluster: Cluster, optimizer: str | None) -> int:
-    """`optimizer` ("fused", "foreach" or "for-loop": cost.OPTIMIZER_CODES) as the cost model's
+    """`optimizer` ("fused", "foreach" or "for-loop": timing.OPTIMIZER_CODES) as the cost model's
     code; None: torch's default where the cluster's devices are (foreach on GPUs, for-loop on
     the local CPU); "fused" for `sw.build_optimizer(pm, torch.optim.AdamW, ..., fused=True)`."""
     if optimizer is None:

@@ -44,6 +44,11 @@ MLP_ELEMENTWISE = 3 / 16
 # as this fraction of the overlapped time.
 OVERLAP_COST = 0.25
 FLOAT32 = 4
+# How the optimizer runs: "fused", one kernel (torch's fused=True; Megatron's, DeepSpeed's and Apex's Adam: the
+# published runs'); "foreach", torch's default on GPUs (one float32 temporary per element); "for-loop", torch's
+# default on CPUs (two float32 temporaries of one tensor at a time). Each casts gradients below float32 to float32
+# for float32 masters first (shardwise's load_grads, Megatron's main gradients).
+OPTIMIZER_CODES = {"fused": 0, "foreach": 1, "for-loop": 2}
 # The share of HBM bandwidth torch's foreach and for-loop Adam passes reach: shardwise's step with
 # torch's foreach AdamW took 40.4-40.9 and 96.4-97.6 ms for 1.50 B and 3.61 B parameter Llamas on an
 # H200 (4.8 TB/s; bf16 parameters and gradients), 130.4 and 128.9 bytes an element at the link's rate:
@@ -150,7 +155,7 @@ def optimizer_bytes(L):
     masters are written back to the parameters and the gradient buffers zeroed."""
     masters = np.where(L.param_bytes >= FLOAT32, 0, 1)
     casts = np.where(L.grad_bytes < FLOAT32, L.grad_bytes + FLOAT32, 0) * masters
-    update = np.where(L.optimizer == 0, 28, 80 / TORCH_OPTIMIZER_RATE)
+    update = np.where(L.optimizer == OPTIMIZER_CODES["fused"], 28, 80 / TORCH_OPTIMIZER_RATE)
     return casts + update + (FLOAT32 + L.param_bytes) * masters + L.grad_bytes
 
 
