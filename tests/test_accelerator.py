@@ -13,7 +13,9 @@ Checked in one spawn, each against tests/parity.py's bounds:
   the suite a minute);
 - a checkpoint written from the device, and the whole state dicts, load into a fresh model bit
   for bit (model and AdamW state, each value on the device the optimizer keeps it: torch's
-  AdamW keeps `step` on the CPU), and the step after matches the step the saved model takes.
+  AdamW keeps `step` on the CPU), and the step after matches the step the saved model takes;
+- config="auto" plans on the device's own table entry and memory (the host's before: a CPU's
+  rates and RAM on a GPU machine).
 
 Tolerance. The reference runs on the CPU. A GPU's kernels sum in other orders (blocking,
 split reductions, fused multiply-adds) and its exp, log and rsqrt differ from the CPU's by a
@@ -31,6 +33,9 @@ import functools
 import torch
 
 import shardwise as sw
+from shardwise.planner.auto import job_cluster
+from shardwise.planner.cluster import device_kind
+from shardwise.topology import backend_device
 from parity import EPS_LOSS, Run, assert_meaningful, assert_parity, gpt_batches, make_gpt, reference_run, \
     train_parallel
 from test_zoo import batches as hf_batches, make as hf_model
@@ -102,7 +107,9 @@ def _rank(directory: str) -> dict:
         run = train_parallel({}, factory, batches, compile_kwargs=kwargs)
         devices[name] = {v.device.type for v in run.final.values()}
         runs[name] = _on_cpu(run)
-    return {"runs": runs, "devices": devices, "checkpoint": _checkpoint_round_trip(directory)}
+    cluster = job_cluster(1, backend_device())  # what config="auto" plans on
+    return {"runs": runs, "devices": devices, "checkpoint": _checkpoint_round_trip(directory),
+            "cluster": (cluster.device, cluster.spec.memory_bytes)}
 
 
 def test_one_process_on_the_machines_device_trains_as_the_cpu_does(tmp_path):
@@ -115,6 +122,11 @@ def test_one_process_on_the_machines_device_trains_as_the_cpu_does(tmp_path):
             assert_parity(reference, result["runs"][name])
         except AssertionError as exc:
             raise AssertionError(f"{name} on {_device_type()}: {exc}") from None
+    if torch.cuda.is_available():  # "auto" plans on the GPU's entry and memory, not the host's
+        kind = device_kind(torch.cuda.get_device_name(0)) or "h100"
+        assert result["cluster"] == (kind, float(torch.cuda.get_device_properties(0).total_memory)), result["cluster"]
+    else:
+        assert result["cluster"][0] == "local", result["cluster"]
     checkpoint = result["checkpoint"]
     assert {d.split(":")[0] for d in checkpoint["devices"]} == {_device_type()}, checkpoint["devices"]
     assert checkpoint["load_checkpoint"] and checkpoint["full state dicts"], checkpoint

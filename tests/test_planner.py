@@ -364,6 +364,21 @@ def test_auto_layout_matches_one_process():
         assert_parity(reference, run, "sgd")
 
 
+def test_auto_plans_on_the_jobs_devices():
+    """config="auto" ranks layouts on the devices the job runs on: accelerators by their table
+    entry (tests/test_accelerator.py checks a GPU's entry and memory), CPU ranks sharing this
+    machine; a device it cannot read is refused, not planned as a CPU."""
+    from shardwise.planner.auto import job_cluster
+    from shardwise.planner.cluster import device_kind
+
+    names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100", "NVIDIA H200": "h200",
+             "NVIDIA GH200 480GB": "h200", "NVIDIA B200": "b200", "Tesla V100-SXM2-32GB": None}
+    assert {name: device_kind(name) for name in names} == names
+    assert job_cluster(4, torch.device("cpu")) == Cluster.local(4)
+    with pytest.raises(ConfigError, match="cannot read the name and memory of meta"):
+        job_cluster(4, torch.device("meta"))
+
+
 def test_auto_plan_for_a_given_config():
     """plan="auto" with a config: the model's zoo plan (sp variant, as the config asks)."""
     from shardwise.planner.auto import auto_layout

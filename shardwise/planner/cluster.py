@@ -147,6 +147,13 @@ class Cluster:
         return cls(gpus=ranks, gpus_per_node=ranks, device="local", memory_bytes=total / ranks)
 
 
+def device_kind(name: str) -> str | None:
+    """The table's entry for an accelerator's reported name ("NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA GH200 480GB" -> "h200": the H100's chip with more memory), None when it has none."""
+    name = name.lower()
+    return next((kind for kind in ("h200", "h100", "a100", "b200") if kind in name), None)
+
+
 def _positive(value) -> bool:
     """A real number (not a bool) above zero and finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
