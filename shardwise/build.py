@@ -33,7 +33,7 @@ from .parallel.context.sequence import (ContextParallel, SequenceShards, check_a
                                         shard_batch, whole_sequence_draws)
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast, sync_batchnorm
-from .parallel.data.gradients import apply_data_parallel
+from .parallel.data.replicas import apply_data_parallel
 from .parallel.pipeline.stages import Pipeline, prune_to_stages, tied_across_ranks
 from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.pipeline.program import capture_module, split
