@@ -264,7 +264,8 @@ MICROBATCH_PEAKS = [
     ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"dp": 4, "zero": 3, "bucket_mb": 0.02}, 1),  # ZeRO-3's buckets smaller than a block
-    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1)]
+    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4, "bucket_mb": 0.02}, 1),
+    ("gpt", {"dp": 4, "zero": 3, "microbatches": 4}, 1)]  # a bucket a block, whose activations outweigh it
 # ZeRO 1-3 where the parameters outweigh the activations (a step's peak comes at the end of
 # backward, when the gradients are all there): what each stage keeps of them shows; and the
 # weight gradients torch's zero-bubble executor keeps beside shardwise's buckets

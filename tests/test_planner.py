@@ -73,7 +73,9 @@ def test_peaks_inside_the_step():
       gradients until its last backward, which the planner charges (without that term it was 14%
       low).
     - ZeRO-3 with buckets smaller than a block holds buckets, not blocks, in flight (charged a
-      block each, it was predicted 13% high).
+      block each, it was predicted 13% high); with a bucket a block, a backward has freed a
+      block's activations by the time each next bucket fills: where they outweigh its gradients
+      the peak holds one bucket (charged IN_FLIGHT + 1 beside every activation, 12-17% high).
     - ZeRO 1-3 on a GPT whose parameters outweigh a sequence's activations (4x the width), the
       peak at the end of backward: ZeRO-2 and 3 held every whole-gradient buffer until the step
       ended (the parameters' .grad views kept them alive; predictions 16% and 12% below the

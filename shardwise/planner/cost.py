@@ -18,7 +18,8 @@ flight and the embedding, or the last, which keeps the logits):
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once;
 - buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
-  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once, every one of
+  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (ZeRO-3's, a
+  block's each, less the activations of the blocks whose backwards are done by then), every one of
   them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
   measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
   keeps until the step ends and the weight gradients it keeps apart from the buckets;
@@ -360,7 +361,13 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     bucket = np.maximum(L.bucket_bytes, largest_block_tensor(spec, L) * L.grad_bytes)
     window = IN_FLIGHT * bucket + np.maximum(bucket, end_tensor * L.grad_bytes)
     block_grads = block_bytes / L.param_bytes * L.grad_bytes  # ZeRO-3's buckets lie inside a block's
-    filling = np.select([L.zero == 3, L.zero == 2], [(IN_FLIGHT + 1) * np.minimum(bucket, block_grads), window], 0.0)
+    # ZeRO-3 beside the activations: the k-th bucket of a backward (k <= IN_FLIGHT) fills once
+    # floor(k / buckets a block) blocks' backwards are done, their saved activations freed
+    unit_bucket = np.minimum(bucket, block_grads)
+    per_block = np.ceil(block_grads / unit_bucket)
+    window3 = np.max([(k + 1) * unit_bucket - np.where(L.pp == 1, np.floor(k / per_block) * block, 0.0)
+                      for k in range(IN_FLIGHT + 1)], axis=0)
+    filling = np.select([L.zero == 3, L.zero == 2], [window3, window], 0.0)
     # a pipeline schedule accumulates its microbatches before reducing: ZeRO-2/3 keep every
     # bucket's whole gradient from a stage's first backward to its last (without a pipeline each
     # microbatch reduces into the shards: data/gradients.py's reduce_into_shards)
