@@ -283,10 +283,20 @@ STEP_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "param_dtype": torch.bfloat16
 # of the logits' size beside the kept log-probabilities (bf16: in bf16, as our GPT's loss runs)
 VOCAB_PEAKS = [("gpt-vocab", {"dp": 4}), ("gpt-vocab", {"dp": 4, "param_dtype": torch.bfloat16}),
                ("gpt-vocab", {"tp": 4}), ("gpt-vocab", {"tp": 2, "dp": 2, "zero": 1, "recompute": "full"})]
+# activations a backward brings back: a block recomputed whole (full) or in part (selective) beside
+# what the others keep, on one rank and on a pipeline's, whose other microbatches stay; tp's recomputed
+# tensors (its shared lookups outlived the recomputation), sp's gathered inputs (held to the forward's
+# end); GPipe's last rank, whose every forward comes first
+RECOMPUTE_PEAKS = [("gpt", {"dp": 4, "recompute": "full"}), ("llama", {"dp": 4, "recompute": "selective"}),
+                   ("gpt", {"pp": 2, "dp": 2, "microbatches": 4, "recompute": "full"}),
+                   ("gpt", {"tp": 2, "dp": 2, "recompute": "full"}),
+                   ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"}),
+                   ("gpt-vocab", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "gpipe"}, 2)]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
-    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS + VOCAB_PEAKS
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS + VOCAB_PEAKS \
+    + RECOMPUTE_PEAKS
 
 
 BIG_WORLD = 64

@@ -214,6 +214,18 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
     return np.maximum(transients - np.where(resident, 0.0, grads), 0.0)
 
 
+def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
+    """What a block's backward holds at its start beside the saved activations, on a pipeline
+    rank without the head (whose loss's transients come first and outweigh it): the gradient
+    received for the stage's output, the gradient of the MLP's hidden activation (each up
+    projection's) and the down projection's weight gradient before it is accumulated.
+    Measured (bench/planner.py PIPELINE_PEAKS): 704 KiB of our GPT's first rank at pp 2 under GPipe
+    and 1F1B, which the planner missed (6.5% low)."""
+    ups = 2 if spec.mlp == "swiglu" else 1
+    ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
+    return tokens * spec.hidden * L.param_bytes + ups * tokens * ffn * L.param_bytes + spec.hidden * ffn * L.param_bytes
+
+
 def in_flight(layout: Layout) -> np.ndarray:
     """Microbatches' worth of this rank's activations the first pipeline rank holds at its
     peak: GPipe all m; 1F1B min(m, p); torch's interleaved 1F1B warms up (v-1)p + 2(p-1)
@@ -229,13 +241,15 @@ def in_flight(layout: Layout) -> np.ndarray:
 
 def last_rank_in_flight(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """(microbatches' worth of the last pipeline rank's blocks, of its head's tensors) it holds
-    at its peak: one under GPipe's and 1F1B's single stage (its backward follows each forward);
-    interleaved 1F1B's final stage also holds one, its other v-1 stages p each ((v-1)p + 1
-    stage-microbatches); zero-bubble holds min(m, p) of every stage, the final one's included."""
+    at its peak: GPipe all m (every forward comes first, on the last stage too); one under
+    1F1B's single stage (its backward follows each forward); interleaved 1F1B's final stage
+    also holds one, its other v-1 stages p each ((v-1)p + 1 stage-microbatches); zero-bubble
+    holds min(m, p) of every stage, the final one's included."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual
     p_or_m = np.minimum(m, p)
-    blocks = np.select([layout.schedule == 2, layout.schedule == 3], [(p_or_m * (v - 1) + 1) / v, p_or_m], 1.0)
-    head = np.where(layout.schedule == 3, p_or_m, 1.0)
+    blocks = np.select([layout.schedule == 0, layout.schedule == 2, layout.schedule == 3],
+                       [m, (p_or_m * (v - 1) + 1) / v, p_or_m], 1.0)
+    head = np.select([layout.schedule == 0, layout.schedule == 3], [m, p_or_m], 1.0)
     return np.where(p == 1, 1, blocks), np.where(p == 1, 1, head)
 
 
@@ -342,8 +356,21 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
                                      * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
     resident = shards > 1
-    held_last = held_last + loss_backward_bytes(spec, L, tokens, last[1], resident)
-    held_first = held_first + np.where(L.pp == 1, loss_backward_bytes(spec, L, tokens, first[1], resident), 0.0)
+    # What a backward holds beyond the saved activations: the loss's transients first, then, while a
+    # block's backward runs, what recompute brings back of it (all of it under full recompute) and
+    # its own working memory (zero-bubble's deferred weight backwards keep theirs, charged above). By
+    # then the rank with the head has freed one microbatch's head activations.
+    recomputed = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, np.zeros_like(L.recompute), L.param_bytes,
+                                        L.ep, seq_len) - block
+    # (under sp a recomputation keeps the attention's and the MLP's all-gathered inputs whole, where
+    # a forward keeps their shards)
+    recomputed = recomputed + np.where((L.recompute > 0) & (L.sp == 1) & (L.tp > 1),
+                                       2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
+    in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
+    after_head = np.maximum(in_block - end_last, 0.0)
+    held_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], resident), after_head)
+    held_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], resident),
+                                                             after_head), in_block)
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)
