@@ -42,6 +42,7 @@ def inject(name: str, config: dict) -> None:
     import shardwise.build as build
     import shardwise.parallel.context.sequence as context
     import shardwise.parallel.data.gradients as data
+    import shardwise.parallel.data.replicas as replicas
     import shardwise.parallel.pipeline.stages as pipeline
     import shardwise.parallel.recompute as recompute
     import shardwise.parallel.tensor.sharding as tensor
@@ -134,7 +135,7 @@ def inject(name: str, config: dict) -> None:
 
         groups.LOSS_DIMS = frozenset()
     elif name == "sum-not-mean":  # gradients summed over replicas instead of averaged
-        base = data.ReduceGroup
+        base = replicas.ReduceGroup
 
         class Summing(base):
             def __init__(self, *args, **kwargs):
@@ -142,7 +143,7 @@ def inject(name: str, config: dict) -> None:
                 object.__setattr__(self, "scale", 1.0)
 
         Summing.__name__ = base.__name__
-        data.ReduceGroup = Summing
+        replicas.ReduceGroup = Summing
     elif name == "no-all-reduce":  # each replica keeps its own gradient
         data.dist = _NoAllReduce()
     elif name == "microbatch-sum":  # microbatch losses summed, not averaged
