@@ -16,7 +16,9 @@ flight and the embedding, or the last, which keeps the logits):
 - activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
   measured against `sw.activation_memory` in tests/test_activations.py and
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
-  keep, times the microbatches a pipeline schedule holds at once;
+  keep, times the microbatches a pipeline schedule holds at once; and what a backward holds
+  beyond them, the loss's transients or, while a block's backward runs, what recompute brings
+  back of it and the backward's own working memory;
 - buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (ZeRO-3's, a
   block's each, less the activations of the blocks whose backwards are done by then), every one of
@@ -215,12 +217,11 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
 
 
 def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
-    """What a block's backward holds at its start beside the saved activations, on a pipeline
-    rank without the head (whose loss's transients come first and outweigh it): the gradient
-    received for the stage's output, the gradient of the MLP's hidden activation (each up
-    projection's) and the down projection's weight gradient before it is accumulated.
-    Measured (bench/planner.py PIPELINE_PEAKS): 704 KiB of our GPT's first rank at pp 2 under GPipe
-    and 1F1B, which the planner missed (6.5% low)."""
+    """What a block's backward holds at its start beside the saved activations: the gradient
+    received for its output, the gradient of the MLP's hidden activation (each up projection's)
+    and the down projection's weight gradient before it is accumulated. Measured: 704 KiB on our
+    GPT's first pipeline rank at pp 2 under GPipe and 1F1B, where the planner was 6.5% low
+    without it (tests/test_planner.py's in-step peaks)."""
     ups = 2 if spec.mlp == "swiglu" else 1
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
     return tokens * spec.hidden * L.param_bytes + ups * tokens * ffn * L.param_bytes + spec.hidden * ffn * L.param_bytes
