@@ -224,7 +224,9 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     without it (tests/test_planner.py's in-step peaks)."""
     ups = 2 if spec.mlp == "swiglu" else 1
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
-    return tokens * spec.hidden * L.param_bytes + ups * tokens * ffn * L.param_bytes + spec.hidden * ffn * L.param_bytes
+    # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling)
+    weight_grad = np.where(L.zero >= 2, 0.0, spec.hidden * ffn * L.param_bytes)
+    return tokens * spec.hidden * L.param_bytes + ups * tokens * ffn * L.param_bytes + weight_grad
 
 
 def in_flight(layout: Layout) -> np.ndarray:
@@ -360,7 +362,9 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # What a backward holds beyond the saved activations: the loss's transients first, then, while a
     # block's backward runs, what recompute brings back of it (all of it under full recompute) and
     # its own working memory (zero-bubble's deferred weight backwards keep theirs, charged above). By
-    # then the rank with the head has freed one microbatch's head activations.
+    # then the rank with the head has freed one microbatch's head activations; at pp 1 without
+    # recompute, what the backward has freed outweighs the working memory (charged, ZeRO 0-3's
+    # in-step peaks read 1-7% over: bench/planner.py PEAK_LAYOUTS).
     recomputed = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, np.zeros_like(L.recompute), L.param_bytes,
                                         L.ep, seq_len) - block
     # (under sp a recomputation keeps the attention's and the MLP's all-gathered inputs whole, where
@@ -368,7 +372,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     recomputed = recomputed + np.where((L.recompute > 0) & (L.sp == 1) & (L.tp > 1),
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
     in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
-    after_head = np.maximum(in_block - end_last, 0.0)
+    after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last, 0.0))
     held_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], resident), after_head)
     held_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], resident),
                                                              after_head), in_block)
