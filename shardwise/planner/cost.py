@@ -129,7 +129,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     kept_qkv = 4.0 if spec.attention == "eager" else attention
     moe = bool(spec.experts)
     mlp = 0.0 if moe else (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
-    ups = 0.0 if moe else (2 if spec.mlp == "swiglu" else 1) * spec.ffn / h
+    ups = 0.0 if moe else spec.up_projections * spec.ffn / h
     down = 0 if moe else 1  # selective keeps the MLP's (reduced) output; a mixture's is per slot, below
     if spec.norm == "rmsnorm":  # Hugging Face's RMSNorm computes in float32
         norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
@@ -222,11 +222,10 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     and the down projection's weight gradient before it is accumulated. Measured: 704 KiB on our
     GPT's first pipeline rank at pp 2 under GPipe and 1F1B, where the planner was 6.5% low
     without it (tests/test_planner.py's in-step peaks)."""
-    ups = 2 if spec.mlp == "swiglu" else 1
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
     # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling)
     weight_grad = np.where(L.zero >= 2, 0.0, spec.hidden * ffn * L.param_bytes)
-    return tokens * spec.hidden * L.param_bytes + ups * tokens * ffn * L.param_bytes + weight_grad
+    return tokens * spec.hidden * L.param_bytes + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
 
 
 def in_flight(layout: Layout) -> np.ndarray:
@@ -350,9 +349,8 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     # zero-bubble: a stage-microbatch whose weight backward is deferred also keeps the gradients
     # of its linear layers' outputs; at the peak of torch's order pipeline rank r has r + 1 such
     # (tests/test_planner.py), each 1/v of the rank's blocks
-    ups = 2 if spec.mlp == "swiglu" else 1
     kv_width = spec.kv_heads * spec.hidden / spec.heads
-    linear_outputs = ((spec.hidden + 2 * kv_width + ups * spec.ffn) / L.tp + 2 * spec.hidden) * tokens * L.param_bytes
+    linear_outputs = ((spec.hidden + 2 * kv_width + spec.up_projections * spec.ffn) / L.tp + 2 * spec.hidden) * tokens * L.param_bytes
     deferred = (L.schedule == 3) & (L.pp > 1)
     held_first = held_first + np.where(deferred, layers_first / L.virtual * linear_outputs, 0.0)
     held_last = held_last + np.where(deferred, np.minimum(L.microbatches, L.pp) * layers_last / L.virtual

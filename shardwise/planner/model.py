@@ -94,6 +94,11 @@ class ModelSpec:
         return self.layers * (sum(self.layer_params) + self.expert_params) + sum(self.embed_params) + sum(self.head_params)
 
     @property
+    def up_projections(self) -> int:
+        """Matrices of width ffn an MLP's input goes through: swiglu's gate and up, gelu's one."""
+        return 2 if self.mlp == "swiglu" else 1
+
+    @property
     def active_expert_params(self) -> float:
         """Parameters of one layer's experts that a token's forward multiplies by (top_k of them)."""
         return self.expert_params * self.top_k / self.experts if self.experts else 0.0

@@ -129,8 +129,7 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
                                + matmul_seconds(cluster, per_expert, h, spec.ffn, nb))
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * slots * spec.ffn * nb
     else:
-        ups = 2 if spec.mlp == "swiglu" else 1
-        time = time + (matmul_seconds(cluster, tokens, ups * spec.ffn / tp, h, nb)
+        time = time + (matmul_seconds(cluster, tokens, spec.up_projections * spec.ffn / tp, h, nb)
                        + matmul_seconds(cluster, tokens, h, spec.ffn / tp, nb))
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * tokens * spec.ffn / tp * nb
     elementwise = elementwise / cluster.spec.hbm_bw
