@@ -35,7 +35,7 @@ SCHEDULES = {s.name: s for s in (PipelineSchedule("gpipe", ScheduleGPipe, False)
                                  PipelineSchedule("interleaved-1f1b", ScheduleInterleaved1F1B, True),
                                  PipelineSchedule("zero-bubble", ScheduleInterleavedZeroBubble, True))}
 ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE = (None, "full", "selective")
+RECOMPUTE = (None, "full", "selective", "selective-alternate")
 # Compute dtypes with float32 master weights, and dtypes gradients are reduced in.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,8 +77,9 @@ class ParallelConfig:
     param_dtype: compute and parameter dtype (e.g. torch.bfloat16); the optimizer then keeps
         float32 master weights. None: leave the module as it is.
     reduce_dtype: dtype gradients are accumulated and reduced in; None: param_dtype.
-    recompute: None, "full" or "selective": activations of each block of the model's layer
-        list (or of the plan's `recompute` modules) rebuilt in backward instead of kept.
+    recompute: None, "full", "selective" or "selective-alternate": activations of each block
+        of the model's layer list (or of the plan's `recompute` modules) rebuilt in backward
+        instead of kept (parallel/recompute.py says which each keeps).
     sequence_dim: the dimension of the batch tensors that indexes tokens, along which
         context parallelism (cp > 1) splits them.
     broadcast_buffers: after each train_step (and training-mode infer_step; before each plain
@@ -120,7 +121,8 @@ class ParallelConfig:
             )
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={self.recompute!r} is not a recompute mode; use None, 'full' (keep only "
-                              "each block's input) or 'selective' (keep matmul and attention outputs)")
+                              "each block's input), 'selective' (keep matmul and attention outputs) or 'selective-alternate' (those but "
+                              "every second weight matmul's, torchtitan's op-level policy)")
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim < 1:
             raise ConfigError(f"sequence_dim={self.sequence_dim!r} must be the batch tensors' token dimension, an "
                               "integer >= 1 (dim 0 is the batch)")

@@ -60,6 +60,7 @@ BLOCKS = 10  # more than Dynamo's recompile limit (8): blocks specialized by the
 LAYOUTS = {
     "tp2": ({"tp": 2}, "gpt"),
     "tp2 sp recompute": ({"tp": 2, "sequence_parallel": True, "recompute": "full"}, "gpt"),
+    "tp2 selective-alternate": ({"tp": 2, "recompute": "selective-alternate"}, "gpt"),  # a policy counting matmuls
     "zero3 dp2": ({"zero": 3}, None),
     "pp2": ({"pp": 2, "microbatches": 2}, None),  # rank 0's stage: layers.0 compiled inside it
     "tp2 sp float8": ({"tp": 2, "sequence_parallel": True}, "gpt"),  # torchao's Float8Linear, float8 rules

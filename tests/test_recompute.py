@@ -1,5 +1,7 @@
 """Activation recompute: the same losses, gradients and parameters as one process keeping
-every activation, for full and selective recompute, on every axis, dropout included."""
+every activation, for full and selective recompute, on every axis, dropout included (and
+selective-alternate, which differs from selective only in the matmuls it reruns, on data
+and tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ def test_recompute_parity_on_two_ranks():
                  hf_batches("llama"), plan="llama"),
             Case(f"llama pp2 {mode}", {"pp": 2, "microbatches": 2, "recompute": mode}, llama, hf_batches("llama")),
         ]
+    mode = "selective-alternate"
+    cases += [
+        Case(f"gpt dp2 {mode}", {"recompute": mode}, gpt, gpt_batches(4, 8)),
+        Case(f"gpt tp2 sp dropout {mode}", {"tp": 2, "sequence_parallel": True, "recompute": mode}, dropout,
+             gpt_batches(4, 4), plan="gpt"),
+        Case(f"llama tp2 {mode}", {"tp": 2, "recompute": mode}, llama, hf_batches("llama"), plan="llama"),
+    ]
     compare_cases(2, cases)
 
 

@@ -13,9 +13,12 @@ How much: "full" keeps only each module's inputs and recomputes everything insid
 "selective" keeps the outputs of matrix multiplications (experts' grouped ones too), attention and the collectives
 that finish a tensor-parallel block (a row-parallel matmul's full-size partial sum is
 recomputed instead: its reduced output is kept), and recomputes the cheap rest (norms, activations,
-residual adds, rotary embeddings): torch's selective activation checkpointing policy, as
-torchtitan's op-level mode. A plan naming modules with config.recompute=None recomputes
-them fully.
+residual adds, rotary embeddings), with torch's selective activation checkpointing policy;
+"selective-alternate" keeps the same except the output of every second weight matmul of
+the module (the 2nd, 4th, ... mm/addmm/grouped mm in forward order: a Llama block's k, o and
+up projections), trading their forward again for their memory: torchtitan's op-level
+policy ("save all compute ops except every second mm"). A plan naming modules with
+config.recompute=None recomputes them fully.
 
 A key/value cache handed to a recomputed module (Hugging Face layers get the empty
 `past_key_values` a training forward builds) would be filled twice, so the recomputation
@@ -40,13 +43,14 @@ from ..plan import ResolvedPlan
 from ..plan.stages import layer_list
 from ..tensors import is_kv_cache
 
-RECOMPUTE_MODES = ("full", "selective")
+RECOMPUTE_MODES = ("full", "selective", "selective-alternate")
+WEIGHT_MATMULS = ("mm", "addmm", "_grouped_mm")  # what selective-alternate counts (attention's bmm are not)
 
 
 def _saved_ops() -> set:
     """Ops whose outputs selective recompute keeps: the expensive ones."""
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+    names = [*WEIGHT_MATMULS, "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu"]
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
@@ -57,10 +61,26 @@ def _saved_ops() -> set:
     return ops
 
 
-def _selective_policy(saved: set, tp, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _selective_policy(saved: set, tp, alternate: dict | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep `saved` ops' outputs; under selective-alternate (`alternate`: the module's weight
+    matmuls counted so far, in its forward and in its recomputation) not every second one.
+    The two counts are kept apart because torch 2.11 asks the policy again during the
+    recomputation (2.13 reuses the forward's answers)."""
+    if alternate is not None and op in alternate["ops"]:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        alternate[mode] += 1
+        if alternate[mode] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
     if op in saved and not (tp is not None and tp.computing_partial):  # a partial sum: its reduction is kept
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts(saved: set, weight_matmuls: set | None, tp) -> tuple:
+    """Forward and recomputation contexts of one selective recomputation (a fresh count of
+    weight matmuls for each under selective-alternate)."""
+    alternate = None if weight_matmuls is None else {"ops": weight_matmuls, "forward": 0, "recompute": 0}
+    return create_selective_checkpoint_contexts(functools.partial(_selective_policy, saved, tp, alternate))
 
 
 def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: ResolvedPlan) -> list[str]:
@@ -91,9 +111,10 @@ def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: Resolve
     whole sequence the recomputation runs too (backward runs outside the forward's context)."""
     paths = recompute_targets(module, config, resolved)
     selective = None
-    if config.recompute == "selective":
-        selective = functools.partial(create_selective_checkpoint_contexts,
-                                      functools.partial(_selective_policy, _saved_ops(), tp))
+    if config.recompute in ("selective", "selective-alternate"):
+        weight_matmuls = {getattr(torch.ops.aten, name).default for name in WEIGHT_MATMULS
+                          if hasattr(torch.ops.aten, name)} if config.recompute == "selective-alternate" else None
+        selective = functools.partial(_selective_contexts, _saved_ops(), weight_matmuls, tp)
     for path in paths:
         target = module.get_submodule(path)
         target.register_forward_pre_hook(functools.partial(_without_cache, path), with_kwargs=True)
