@@ -69,7 +69,8 @@ def build(kind: str) -> nn.Module:
 # (model, world, config): each group of one world size runs in one spawn
 LAYOUTS = [
     ("gpt", 1, {}), ("gpt", 1, {"recompute": "selective"}), ("gpt", 1, {"recompute": "full"}),
-    ("llama", 1, {}), ("llama", 1, {"recompute": "selective"}),
+    ("gpt", 1, {"recompute": "selective-alternate"}),
+    ("llama", 1, {}), ("llama", 1, {"recompute": "selective"}), ("llama", 1, {"recompute": "selective-alternate"}),
     ("gpt", 2, {"dp": 2}), ("gpt", 2, {"dp": 2, "zero": 1}), ("gpt", 2, {"dp": 2, "zero": 2}),
     ("gpt", 2, {"dp": 2, "zero": 3}), ("gpt", 2, {"tp": 2}), ("gpt", 2, {"tp": 2, "sequence_parallel": True}),
     ("gpt", 2, {"tp": 2, "sequence_parallel": True, "recompute": "selective"}), ("gpt", 2, {"tp": 2, "recompute": "full"}),
@@ -291,6 +292,8 @@ RECOMPUTE_PEAKS = [("gpt", {"dp": 4, "recompute": "full"}), ("llama", {"dp": 4, 
                    ("gpt", {"pp": 2, "dp": 2, "microbatches": 4, "recompute": "full"}),
                    ("gpt", {"tp": 2, "dp": 2, "recompute": "full"}),
                    ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"}),
+                   ("llama", {"dp": 4, "recompute": "selective-alternate"}),
+                   ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "selective-alternate"}),
                    ("gpt-vocab", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "gpipe"}, 2)]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [

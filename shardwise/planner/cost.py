@@ -49,7 +49,7 @@ from .model import ModelSpec
 from .timing import OPTIMIZER_CODES, boundary_bytes, step_times
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
-RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
+RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2, "selective-alternate": 3}
 FLOAT32 = 4
 
 
@@ -174,7 +174,13 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
         none = none + kept_none * routed
         selective = selective + kept_selective * routed
     full = np.where(sp == 1, act_bytes * sbh / tp, act_bytes * sbh)
-    return np.select([recompute == 0, recompute == 1], [none + kept, selective + kept_selective], full)
+    # selective-alternate: selective without every second weight matmul's output; a row-parallel one's
+    # reduced output stays kept under tp (what its collective returns)
+    even = spec.weight_matmuls[1::2]
+    column, row = (sum(width for _, width, _, rows in even if rows == r) / h for r in (False, True))
+    alternate = selective + kept_selective - (column + np.where(tp == 1, row, 0.0)) * act_bytes * sbh / tp
+    return np.select([recompute == 0, recompute == 1, recompute == 3], [none + kept, selective + kept_selective,
+                                                                          alternate], full)
 
 
 def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):

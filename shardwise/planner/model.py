@@ -99,6 +99,22 @@ class ModelSpec:
         return 2 if self.mlp == "swiglu" else 1
 
     @property
+    def weight_matmuls(self) -> list[tuple[str, float, float, bool]]:
+        """A dense block's weight matmuls in forward order, as (name, output width, input width,
+        row-parallel under tp): q, k, v (GPT-2's one fused c_attn), o, the MLP's up
+        projection(s) and down. What selective recompute keeps or reruns is counted in these
+        (parallel/recompute.py). Mixtures of experts: their experts' matmuls vary by
+        implementation, so none (the planner does not model selective-alternate for them)."""
+        if self.experts:
+            return []
+        h, kv = self.hidden, self.kv_heads * self.hidden // self.heads
+        attention = [("qkv", h + 2 * kv, h, False)] if self.plan == "gpt2" else \
+            [("q", h, h, False), ("k", kv, h, False), ("v", kv, h, False)]
+        ups = [("gate", self.ffn, h, False), ("up", self.ffn, h, False)] if self.mlp == "swiglu" else \
+            [("up", self.ffn, h, False)]
+        return [*attention, ("o", h, h, True), *ups, ("down", h, self.ffn, True)]
+
+    @property
     def active_expert_params(self) -> float:
         """Parameters of one layer's experts that a token's forward multiplies by (top_k of them)."""
         return self.expert_params * self.top_k / self.experts if self.experts else 0.0

@@ -6,7 +6,8 @@ dividing the model's heads, kv heads, MLP width and vocabulary; cp leaving at le
 layer count), every microbatch size dividing a replica's batch (the microbatch count
 follows, at least pp under pipelining, a multiple of pp for interleaved schedules), each
 schedule with 1 (GPipe, 1F1B) or 2, 4, 8 (interleaved 1F1B, zero-bubble) stages per rank,
-ZeRO 0-3, recompute none/selective/full, sequence parallelism on/off under tp, bf16 or
+ZeRO 0-3, recompute none/selective/selective-alternate/full (no alternate for mixtures of
+experts), sequence parallelism on/off under tp, bf16 or
 float32 on GPUs, and for a mixture of experts every ep dividing dp and the experts. It is exhaustive: the inner choices of each factorization are one numpy
 grid through `cost.evaluate`, so 10^5-10^6 layouts take seconds on one core. Layouts
 predicted not to fit are dropped; the rest are ranked by seconds per token.
@@ -135,8 +136,14 @@ def _expert_degrees(spec: ModelSpec, dp: int) -> list[int]:
     return [e for e in divisors(dp) if spec.experts % e == 0] if spec.experts else [1]
 
 
+def recompute_codes(spec: ModelSpec) -> tuple[int, ...]:
+    """The recompute modes the planner models for `spec` (selective-alternate only where it knows
+    which weight matmuls alternate: dense blocks)."""
+    return tuple(code for name, code in RECOMPUTE_CODES.items() if name != "selective-alternate" or spec.weight_matmuls)
+
+
 def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: int, dtypes: tuple[int, ...],
-                eps: list[int] = (1,)):
+                eps: list[int] = (1,), recomputes: tuple[int, ...] = (0, 1, 2)):
     """Arrays of every inner choice for one factorization (empty when the batch does not split)."""
     rows = []
     for b in divisors(replica_batch):
@@ -151,7 +158,7 @@ def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: 
                 if pp * v <= layers and m % pp == 0]
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         sps = (0, 1) if tp > 1 else (0,)
-        for (schedule, v), zero, rc, sp, nbytes, ep in itertools.product(schedules, zeros, (0, 1, 2), sps, dtypes, eps):
+        for (schedule, v), zero, rc, sp, nbytes, ep in itertools.product(schedules, zeros, recomputes, sps, dtypes, eps):
             rows.append((b, m, schedule, v, zero, rc, sp, nbytes, ep))
     if not rows:
         return None
@@ -230,7 +237,8 @@ def search(model: Any, cluster: Cluster, global_batch: int | None = None, seq_le
     result = SearchResult()
     for dp, tp, pp, cp in groups:
         batch = replica_batch if replica_batch is not None else (global_batch // dp if global_batch % dp == 0 else 0)
-        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp)) if batch else None
+        layout = _inner_grid(dp, tp, pp, cp, batch, spec.layers, dtypes, _expert_degrees(spec, dp),
+                             recompute_codes(spec)) if batch else None
         if layout is None:
             continue
         layout.optimizer = code
@@ -306,8 +314,11 @@ def evaluate(model: Any, cluster: Cluster, config: ParallelConfig, *, seq_len: i
         raise ConfigError(f"pp={config.pp} x virtual={virtual} stages exceed {spec.name}'s {spec.layers} layers")
     if config.schedule not in SCHEDULE_CODES:
         raise ConfigError(f"schedule={config.schedule!r}: the planner models {sorted(SCHEDULE_CODES)}")
-    if config.recompute not in RECOMPUTE_CODES:
-        raise ConfigError(f"recompute={config.recompute!r}: the planner models None, 'selective' and 'full'")
+    if config.recompute not in RECOMPUTE_CODES or RECOMPUTE_CODES[config.recompute] not in recompute_codes(spec):
+        raise ConfigError(f"recompute={config.recompute!r}: the planner models "
+                          f"{', '.join(repr(RECOMPUTE_NAMES[c]) for c in recompute_codes(spec))} for {spec.name}"
+                          + ("" if spec.weight_matmuls else " (which of a mixture's matmuls alternate depends on "
+                             "its implementation)"))
     nbytes = 4 if config.param_dtype is None else config.param_dtype.itemsize
     layout = Layout(dp=np.array([config.dp]), tp=np.array([config.tp]), pp=np.array([config.pp]),
                     cp=np.array([config.cp]), zero=np.array([config.zero]),

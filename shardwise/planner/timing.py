@@ -23,7 +23,9 @@ time (zero-bubble fills part of it with deferred weight gradients: `zero_bubble_
 reduction overlaps the last microbatch's backward (ZeRO-1/2's all-gather of the updated
 parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
-the first block's gather of each pass is exposed. The optimizer step streams the rank's
+the first block's gather of each pass is exposed. Selective recompute runs a block's
+elementwise work again and the matmuls whose outputs it does not keep (`rerun_matmul_seconds`);
+full recompute the whole forward. The optimizer step streams the rank's
 shard of parameters, gradients, moments and master weights through HBM: once for a fused
 optimizer, nine passes and the casts around them for torch's (`optimizer_bytes`).
 """
@@ -136,6 +138,22 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     return time + attention + elementwise, elementwise, time
 
 
+def rerun_matmul_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, alternate: bool):
+    """Forward seconds of the weight matmuls a selective recomputation of one block runs again
+    on one microbatch (parallel/recompute.py; torch's checkpoint stops once backward has what it
+    needs, so never the last, the down projection): under tp the row-parallel ones, whose
+    full-size partial sums are not kept (not Megatron-LM's: its selective recompute reruns the
+    attention core only); under selective-alternate also every second one."""
+    matmuls = spec.weight_matmuls
+    total = np.zeros_like(np.asarray(tokens, dtype=np.float64))
+    for i, (_, out, inp, rows) in enumerate(matmuls[:-1]):
+        partial = rows & (spec.attention != "megatron")
+        again = np.where(L.tp > 1, partial, False) | (alternate and i % 2 == 1)
+        shape = (inp / L.tp, out) if rows else (inp, out / L.tp)
+        total = total + np.where(again, matmul_seconds(cluster, tokens, shape[1], shape[0], L.param_bytes), 0.0)
+    return total
+
+
 def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
     """Forward seconds of the head on one microbatch: the vocabulary matmul (sharded over tp)
     and the cross-entropy's float32 passes over the logits."""
@@ -197,8 +215,10 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     busiest_blocks = np.where(L.pp == 1, layers_first, np.maximum(np.maximum(layers_first, layers_last), middle))
     stage = np.maximum(first, np.maximum(layers_last * block + head, middle * block))
     compute = 3 * L.microbatches * stage
-    recompute = L.microbatches * busiest_blocks * np.select([L.recompute == 2, L.recompute == 1],
-                                                            [block, elementwise], 0.0)
+    recompute = L.microbatches * busiest_blocks * np.select(
+        [L.recompute == 2, L.recompute == 1, L.recompute == 3],
+        [block, elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, False),
+         elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, True)], 0.0)
 
     act_bytes = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
     collectives = np.where(L.recompute == 2, 6, 4)
