@@ -43,7 +43,7 @@ from shardwise.planner.cost import OPTIMIZER_CODES, RECOMPUTE_CODES, SCHEDULE_CO
 from shardwise.planner.cost import evaluate as evaluate_layouts
 from shardwise.planner.format import TIME_LABELS
 from shardwise.planner.model import ModelSpec
-from shardwise.planner.search import Candidate, _factorizations, _inner_grid, search
+from shardwise.planner.search import Candidate, _factorizations, _inner_grid, recompute_codes, search
 
 from published_runs import GIB, MEGATRON_EXECUTOR, Run, corpus, predict
 
@@ -62,12 +62,19 @@ class Reached(NamedTuple):
     matmul: float
 
 
-def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, model_flops_per_token: float) -> float:
-    """The FLOPs a device runs per model FLOP (HFU / MFU): full recompute runs every block's
-    forward again (2 FLOPs per block parameter and token, 2 s h for causal attention), selective
-    the attention's."""
+def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, tp: int, model_flops_per_token: float) -> float:
+    """The FLOPs a device runs per model FLOP (HFU / MFU), as the time model charges them: full
+    recompute runs every block's forward again (2 FLOPs per block parameter and token, 2 s h for
+    causal attention); Megatron-LM's selective its attention core (2 s h); shardwise's selective
+    the row-parallel matmuls' partial sums but the last under tp (the attention output
+    projection), selective-alternate also every second weight matmul but the last."""
     active = spec.layer_params[0] + spec.active_expert_params
-    extra = {"full": 2 * active + 2 * spec.hidden * seq, "selective": 2 * spec.hidden * seq}.get(recompute, 0.0)
+    matmuls = spec.weight_matmuls[:-1]
+    partials = sum(2 * out * inp for _, out, inp, rows in matmuls if rows) if tp > 1 else 0.0
+    alternate = sum(2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls) if i % 2 == 1 or (rows and tp > 1))
+    selective = 2 * spec.hidden * seq if spec.attention == "megatron" else partials
+    extra = {"full": 2 * active + 2 * spec.hidden * seq, "selective": selective,
+             "selective-alternate": alternate}.get(recompute, 0.0)
     return 1 + spec.layers * extra / model_flops_per_token
 
 
@@ -116,7 +123,8 @@ def _per_token(spec: ModelSpec, cluster: Cluster, seq: int, grid) -> np.ndarray:
 def _bf16_grids(spec: ModelSpec, groups, global_batch: int):
     """The search's bf16 layout grid of each (dp, tp, pp, cp) in `groups` whose dp splits the batch."""
     for dp, tp, pp, cp in groups:
-        grid = _inner_grid(dp, tp, pp, cp, global_batch // dp, spec.layers, (2,)) if global_batch % dp == 0 else None
+        grid = _inner_grid(dp, tp, pp, cp, global_batch // dp, spec.layers, (2,), recomputes=recompute_codes(spec)) \
+            if global_batch % dp == 0 else None
         if grid is not None:
             yield grid
 
@@ -293,7 +301,8 @@ def main() -> None:
         times[r.name] = (published, got.step_seconds)
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
-        share = hardware_share(r.spec, r.seq, got.config.recompute, got.model_flops / (r.global_batch * r.seq))
+        share = hardware_share(r.spec, r.seq, got.config.recompute, got.config.tp,
+                               got.model_flops / (r.global_batch * r.seq))
         published_mfu.append(Reached(r.name, r.cluster.device, r.spec.params, mfu, mfu * share,
                                      largest_matmul(r.spec, got.config.tp)))
         placed = ranks(r, got.step_seconds)
@@ -341,7 +350,7 @@ def main() -> None:
                 if p.device == r.cluster.device and 1 / SIZE_BAND <= p.params / r.spec.params <= SIZE_BAND]
         published, hardware = max(p.mfu for p in band), max(p.hfu for p in band)
         pick = best[0]
-        pick_hardware = pick.mfu * hardware_share(r.spec, r.seq, pick.config.recompute,
+        pick_hardware = pick.mfu * hardware_share(r.spec, r.seq, pick.config.recompute, pick.config.tp,
                                                   pick.model_flops / pick.tokens_per_step)
         gap, hardware_gap = (pick.mfu - published) * 100, (pick_hardware - hardware) * 100
         over += [r.name] if gap > 5 else []

@@ -168,14 +168,19 @@ def corpus() -> list[Run]:
                              schedule="interleaved-1f1b", reduce_dtype=FP32), 1, tflops=tflops, calibrate=not held_out, virtual=4,
                         notes="ZeRO-2, interleaved v4, no recompute assumed (Meta's pipeline schedule is its own)"))
     # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
-    # selective AC, bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by torchtitan's own note).
-    # Its peak is "between SXM and NVL" (989 and 835 TFLOP/s): the midpoint.
+    # bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by
+    # torchtitan's own note). At the benchmark's commit (9dec370, train_configs/llama3_8b.toml and train.py):
+    # selective AC with its "op" policy, which keeps every compute op's output but every second mm's
+    # (shardwise's selective-alternate); torch.compile compiles each TransformerBlock, not the loss ("compiling
+    # loss function causes CUDA errors, turning off for now"): both rows run torch's eager cross-entropy on
+    # float32 logits. Memory is published as the peak the caching allocator reserved (max_reserved_gib); the
+    # planner predicts the peak allocated, which it cannot exceed.
     titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
     for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
                                      (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
         runs.append(Run(f"torchtitan 8B fsdp{gpus} {label}", "torchtitan", f"Table {1 if gpus == 8 else 3} {label}",
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
-                        dict(dp=gpus, zero=3, recompute="selective", microbatches=1, reduce_dtype=FP32,
+                        dict(dp=gpus, zero=3, recompute="selective-alternate", microbatches=1, reduce_dtype=FP32,
                              bucket_mb=FSDP_BUCKET_MB), 2,
                         tokens_per_gpu=tps,
                         memory_gib=memory))
@@ -208,11 +213,10 @@ def corpus() -> list[Run]:
                              reduce_dtype=None if (device, size) == ("a100", "70b") else FP32,
                              bucket_mb=FSDP_BUCKET_MB), micro,
                         tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating))
-    # every run's loss is a fused kernel that writes the logits' gradient in place: Megatron's vocab-parallel
-    # cross-entropy (also Meta's, a Megatron descendant), llm-foundry's fused_crossentropy (flash-attn's, its
-    # default), torchtitan's compiled loss (its eager rows: -5% to -6% with it, +14% to +17% with torch's eager
-    # loss's two float32 gradients of the logits, 7.8 GiB at 16K tokens)
-    return [replace(r, spec=replace(r.spec, fused_loss=True)) for r in runs]
+    # every run's loss but torchtitan's is a fused kernel that writes the logits' gradient in place: Megatron's
+    # vocab-parallel cross-entropy (also Meta's, a Megatron descendant), llm-foundry's fused_crossentropy
+    # (flash-attn's, its default); torchtitan's is torch's eager one (above)
+    return [r if r.source == "torchtitan" else replace(r, spec=replace(r.spec, fused_loss=True)) for r in runs]
 
 
 def predict(run: Run, cluster: Cluster | None = None):
