@@ -44,8 +44,9 @@ FSDP_BUCKET_MB = 4096.0
 
 # Megatron-LM's fused kernels (LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax) move fewer values
 # per token and hidden unit than eager PyTorch's ops (the device table's `elementwise`): fitted with the rest
-# (`--fit`), on its runs of the calibration part.
-MEGATRON_EXECUTOR = dict(elementwise=24.0)
+# (`--fit`), on its runs of the calibration part. Its recompute and sequence parallelism run as
+# `Cluster(executor="megatron")` describes (planner/cluster.py's EXECUTORS).
+MEGATRON_EXECUTOR = dict(elementwise=24.0, executor="megatron")
 
 
 def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
@@ -158,7 +159,7 @@ def corpus() -> list[Run]:
     # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
     # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
     # microbatch assumed.
-    h100 = lambda gpus: Cluster(gpus, device="h100")  # noqa: E731
+    h100 = lambda gpus: Cluster(gpus, device="h100", executor="megatron")  # noqa: E731
     for gpus, seq, cp, dp, per_dp, tflops, held_out in ((8192, 8192, 1, 64, 32, 430, False),
                                                          (16384, 8192, 1, 128, 16, 400, False),
                                                          (16384, 131072, 16, 8, 16, 380, True)):
@@ -166,7 +167,8 @@ def corpus() -> list[Run]:
                         h100(gpus), seq, dp * per_dp,
                         dict(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, microbatches=per_dp,
                              schedule="interleaved-1f1b", reduce_dtype=FP32), 1, tflops=tflops, calibrate=not held_out, virtual=4,
-                        notes="ZeRO-2, interleaved v4, no recompute assumed (Meta's pipeline schedule is its own)"))
+                        notes="ZeRO-2, interleaved v4, no recompute, Megatron-LM's sp (its backward all-gathers hidden) "
+                              "assumed (Meta's pipeline schedule is its own)"))
     # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
     # bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by
     # torchtitan's own note). At the benchmark's commit (9dec370, train_configs/llama3_8b.toml and train.py):
@@ -185,7 +187,8 @@ def corpus() -> list[Run]:
                         tokens_per_gpu=tps,
                         memory_gib=memory))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
-    # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute. Rows at 2048 tokens
+    # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's
+    # checkpoint ("TODO: Update tables with torch 2.0"), which reran a block's whole forward. Rows at 2048 tokens
     # (and two at 8192), one per model size and device. Every other size calibrates (the H100's with Llama 3's
     # two 8K runs), the rest are held out.
     mpt = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
@@ -208,7 +211,7 @@ def corpus() -> list[Run]:
         hidden, heads, layers = mpt[size]
         spec = gpt2_like(f"mpt-{size}", layers, hidden, heads, 50368, seq)
         runs.append(Run(f"mpt {size} {device} seq {seq} fsdp{gpus}", "llm-foundry", f"{device} {size} {seq} {gpus} GPUs",
-                        spec, Cluster(gpus, device=device), seq, micro * accum * gpus,
+                        spec, Cluster(gpus, device=device, executor="torch-1.13"), seq, micro * accum * gpus,
                         dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum,
                              reduce_dtype=None if (device, size) == ("a100", "70b") else FP32,
                              bucket_mb=FSDP_BUCKET_MB), micro,

@@ -173,7 +173,7 @@ def test_megatron_attention_costs_the_whole_square_and_its_scores():
     from dataclasses import replace
 
     from shardwise.planner.cost import block_activation_bytes
-    from shardwise.planner.timing import block_seconds, matmul_seconds
+    from shardwise.planner.timing import block_seconds
 
     flash = published.megatron_gpt(22, 64, 6144, 48)
     flash = replace(flash, attention="flash")
@@ -191,13 +191,10 @@ def test_megatron_attention_costs_the_whole_square_and_its_scores():
     assert float(m_linear) == float(f_linear)
     assert float(m_elementwise - f_elementwise) == pytest.approx(traffic, rel=1e-12)
     assert float(m_all - f_all) == pytest.approx(square - flash_attention + traffic, rel=1e-12)
-    # selective recompute reruns the scores' traffic; shardwise's also the attention output projection's
-    # partial sums under tp (their reduction is what it keeps), Megatron-LM's not: it reruns the core only
+    # selective recompute reruns the scores' traffic
     sel_flash = evaluate(flash, c, _layout(dp=1, tp=tp, recompute=1, sp=1), seq)
     sel_mat = evaluate(megatron, c, _layout(dp=1, tp=tp, recompute=1, sp=1), seq)
-    o_partial = float(matmul_seconds(c, tokens, flash.hidden, flash.hidden / tp, 2))
-    assert float(sel_mat.recompute - sel_flash.recompute) == pytest.approx(flash.layers * (traffic - o_partial),
-                                                                          rel=1e-9)
+    assert float(sel_mat.recompute - sel_flash.recompute) == pytest.approx(flash.layers * traffic, rel=1e-9)
     # memory: 5 bytes a score without recompute, none recomputed
     args = (tokens, np.float64(tp), np.float64(1), np.float64(1))
     kept = {r: (block_activation_bytes(megatron, *args, np.float64(r), 2, 1, seq)
@@ -363,39 +360,39 @@ def test_selective_recompute_reruns_the_matmuls_whose_outputs_it_drops():
     not keep (the down projection, last, never: torch's checkpoint stops once backward has what
     it needs; tests/test_activations.py measures what each mode keeps); selective-alternate
     also every second weight matmul: a Llama block's k, o and up, GPT-2's (one fused c_attn
-    first) o. Megatron-LM's selective reruns its attention core only, no projection. Faults:
-    the down projection charged, the partial sum left out, the other parity (q, v, gate)
-    each move a difference below by a whole matmul."""
-    from dataclasses import replace
-
+    first) o. Full recompute: the forward but the down projection. Megatron-LM's executor: its
+    selective reruns no projection, its full the whole forward. Faults: the down projection
+    charged, the partial sum left out, the other parity (q, v, gate) each move a difference
+    below by a whole matmul."""
     from shardwise.planner.timing import block_seconds, matmul_seconds
 
-    c = Cluster(8, device="h100")
     tokens, m = 4096, 3
     for name, extra in (("llama3-8b", ("k", "up")), ("gpt2", ())):
         spec = model_spec(name)
         h, kv = spec.hidden, spec.kv_heads * spec.hidden // spec.heads
 
-        def per_block(tp, recompute, spec=spec):
-            terms = evaluate(spec, c, _layout(dp=8 // tp, tp=tp, recompute=recompute, microbatches=m), tokens)
+        def per_block(tp, recompute, executor="shardwise"):
+            terms = evaluate(spec, Cluster(8, device="h100", executor=executor),
+                             _layout(dp=8 // tp, tp=tp, recompute=recompute, microbatches=m), tokens)
             return float(terms.recompute) / (m * spec.layers)
 
         def forward(tp, out, inp, rows=False):  # one weight matmul of a block, as tp shards it
+            c = Cluster(8, device="h100")
             return float(matmul_seconds(c, tokens, out if rows else out / tp, inp / tp if rows else inp, 2))
 
-        def elementwise(tp):
+        def block(tp):  # (the whole forward, its elementwise part)
             layout = _layout(dp=8 // tp, tp=tp)
             layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
-            return float(block_seconds(spec, c, layout, float(tokens), tokens)[1])
+            return [float(x) for x in block_seconds(spec, Cluster(8, device="h100"), layout, float(tokens), tokens)[:2]]
 
         shapes = {"k": (kv, h), "up": (spec.ffn, h)}
-        assert per_block(1, 1) == pytest.approx(elementwise(1), rel=1e-12)
-        assert per_block(1, 3) == pytest.approx(elementwise(1) + forward(1, h, h)
+        assert per_block(1, 1) == pytest.approx(block(1)[1], rel=1e-12)
+        assert per_block(1, 3) == pytest.approx(block(1)[1] + forward(1, h, h)
                                                 + sum(forward(1, *shapes[n]) for n in extra), rel=1e-12)
         partial = forward(2, h, h, rows=True)
-        assert per_block(2, 1) == pytest.approx(elementwise(2) + partial, rel=1e-12)
-        assert per_block(2, 3) == pytest.approx(elementwise(2) + partial + sum(forward(2, *shapes[n]) for n in extra),
+        assert per_block(2, 1) == pytest.approx(block(2)[1] + partial, rel=1e-12)
+        assert per_block(2, 3) == pytest.approx(block(2)[1] + partial + sum(forward(2, *shapes[n]) for n in extra),
                                                 rel=1e-12)
-        megatron = replace(spec, attention="megatron")
-        traffic = score_traffic("megatron", 2) * tokens * tokens * spec.heads / 2 / c.spec.hbm_bw
-        assert per_block(2, 1, megatron) == pytest.approx(elementwise(2) + traffic, rel=1e-12)
+        assert per_block(2, 2) == pytest.approx(block(2)[0] - forward(2, h, spec.ffn, rows=True), rel=1e-12)
+        assert per_block(2, 1, "megatron") == pytest.approx(block(2)[1], rel=1e-12)
+        assert per_block(2, 2, "megatron") == pytest.approx(block(2)[0], rel=1e-12)

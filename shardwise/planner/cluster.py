@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +57,31 @@ DEVICES = {
 }
 
 
+class Executor(NamedTuple):
+    """How a step runs where training stacks differ (`Cluster.executor` names one of EXECUTORS).
+    `full_reruns_last`: full recompute runs a block's whole forward again, its last matmul
+    (the down projection) and reduction included, as a reentrant checkpoint or torch's before
+    2.1 did; torch's since stops once backward has what it needs. `selective_reruns_partials`:
+    selective recompute runs the row-parallel matmuls whose full-size partial sums it does not
+    keep again under tp (shardwise's, torch's selective checkpointing policy); Megatron-LM's
+    reruns its attention core only. `sp_gather_hidden`: sequence parallelism's backward
+    all-gather of a column-parallel layer's input runs beside the input-gradient matmul
+    (Megatron-LM's), not before it (shardwise's)."""
+
+    full_reruns_last: bool
+    selective_reruns_partials: bool
+    sp_gather_hidden: bool
+
+
+# shardwise's own, and those of the published runs bench/planner_published.py sets the model against
+EXECUTORS = {
+    "shardwise": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=False),
+    "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True),
+    # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward
+    "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False),
+}
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`gpus` devices of kind `device`, `gpus_per_node` per node; None fields come from
@@ -63,7 +89,8 @@ class Cluster:
     runtime's, the allocator's fragmentation and the framework's buffers). `nics_per_node`:
     the NICs of `inter_node_bw` each that one collective's cross-node rings can use at once
     (None: one per GPU; fewer where nodes have fewer NICs, or where an executor's collectives
-    cross on fewer, as DeepSpeed's ZeRO-3 did in bench/planner_published.py)."""
+    cross on fewer, as DeepSpeed's ZeRO-3 did in bench/planner_published.py). `executor`: whose
+    recompute and collectives the step runs (`EXECUTORS`)."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -78,6 +105,7 @@ class Cluster:
     elementwise: float | None = None
     memory_fraction: float = 0.9
     nics_per_node: int | None = None  # NICs a collective's cross-node bytes spread over; None: one per GPU
+    executor: str = "shardwise"  # whose execution the time model charges: a key of EXECUTORS
     spec: Device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +127,8 @@ class Cluster:
         if self.nics_per_node is not None and (not isinstance(self.nics_per_node, int)
                                                or isinstance(self.nics_per_node, bool) or self.nics_per_node < 1):
             raise ConfigError(f"nics_per_node={self.nics_per_node!r} must be a positive integer (or None: one per GPU)")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"executor={self.executor!r} is one of {', '.join(map(repr, EXECUTORS))}")
         if not _positive(self.memory_fraction) or self.memory_fraction > 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]: the share of each "
                               "device's memory a run may use (0.9 leaves 10% to the runtime)")
@@ -107,6 +137,11 @@ class Cluster:
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         object.__setattr__(self, "spec", spec)
+
+    @property
+    def runs(self) -> Executor:
+        """How `executor` runs a step where stacks differ."""
+        return EXECUTORS[self.executor]
 
     @property
     def usable_bytes(self) -> float:

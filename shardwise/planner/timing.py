@@ -15,8 +15,9 @@ Collectives are α-β: a step's latency per ring step (inside a node or between 
 the bytes over the link's bandwidth (across nodes, one NIC's rate per member of the group in
 a node: NCCL runs a ring per NIC; `Cluster.bandwidth`). A data-parallel all-reduce takes the better of a ring
 (2(n-1) steps) and NCCL's tree (2 log2 n steps) at scale; all-gathers, reduce-scatters and
-all-to-alls are rings. Tensor-parallel collectives are not overlapped (4 per block and
-microbatch, 6 under full recompute); context-parallel K/V exchanges and expert all-to-alls
+all-to-alls are rings. Tensor-parallel collectives are not overlapped (4 all-reduces' worth per
+block and microbatch, 5 under sp or full recompute, 5.5 under both, as shardwise runs them;
+other stacks' `Cluster.executor` differ); context-parallel K/V exchanges and expert all-to-alls
 neither. Pipeline p2p is paid per microbatch on each of a rank's boundaries, forward and
 backward, and again through the fill and drain. The bubble is (p-1)/(v·m) of the pipelined
 time (zero-bubble fills part of it with deferred weight gradients: `zero_bubble_share`). The gradient
@@ -142,12 +143,12 @@ def rerun_matmul_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, alternate
     """Forward seconds of the weight matmuls a selective recomputation of one block runs again
     on one microbatch (parallel/recompute.py; torch's checkpoint stops once backward has what it
     needs, so never the last, the down projection): under tp the row-parallel ones, whose
-    full-size partial sums are not kept (not Megatron-LM's: its selective recompute reruns the
-    attention core only); under selective-alternate also every second one."""
+    full-size partial sums are not kept (`Executor.selective_reruns_partials`: not Megatron-LM's,
+    which reruns its attention core only); under selective-alternate also every second one."""
     matmuls = spec.weight_matmuls
     total = np.zeros_like(np.asarray(tokens, dtype=np.float64))
     for i, (_, out, inp, rows) in enumerate(matmuls[:-1]):
-        partial = rows & (spec.attention != "megatron")
+        partial = rows and cluster.runs.selective_reruns_partials
         again = np.where(L.tp > 1, partial, False) | (alternate and i % 2 == 1)
         shape = (inp / L.tp, out) if rows else (inp, out / L.tp)
         total = total + np.where(again, matmul_seconds(cluster, tokens, shape[1], shape[0], L.param_bytes), 0.0)
@@ -215,13 +216,26 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     busiest_blocks = np.where(L.pp == 1, layers_first, np.maximum(np.maximum(layers_first, layers_last), middle))
     stage = np.maximum(first, np.maximum(layers_last * block + head, middle * block))
     compute = 3 * L.microbatches * stage
+    # full recompute: the whole forward again; torch's checkpoint (shardwise) stops before the last
+    # matmul, the down projection, and its reduction, which nothing in backward needs (`Executor`)
+    runs = cluster.runs
+    down = 0.0 if runs.full_reruns_last or not spec.weight_matmuls else \
+        matmul_seconds(cluster, tokens, h, spec.weight_matmuls[-1][2] / L.tp, L.param_bytes)
     recompute = L.microbatches * busiest_blocks * np.select(
         [L.recompute == 2, L.recompute == 1, L.recompute == 3],
-        [block, elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, False),
+        [block - down, elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, False),
          elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, True)], 0.0)
 
     act_bytes = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
-    collectives = np.where(L.recompute == 2, 6, 4)
+    # a block's tp collectives per microbatch, in all-reduces of one activation (an all-gather or a
+    # reduce-scatter is half of one): two forward, two backward; under sp two more all-gathers in
+    # backward (a column-parallel layer's input again, for its weight gradient; Megatron-LM's beside
+    # the input-gradient matmul); full recompute's forward again: shardwise's without the last
+    # reduction, and under sp its all-gathers replace backward's (tests/test_planner.py counts them)
+    sp = (L.sp == 1) & (L.tp > 1)
+    full = L.recompute == 2
+    regather = OVERLAP_COST * sp if runs.sp_gather_hidden else sp
+    collectives = 4 + regather + np.where(runs.full_reruns_last, 2 * full, full * np.where(sp, 0.5, 1.0))
     tp_comm = busiest_blocks * L.microbatches * collectives * all_reduce(cluster, L.tp, act_bytes, L.tp)
     kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
     cp_comm = busiest_blocks * L.microbatches * 3 * ring(cluster, L.cp, kv_bytes, L.tp * L.cp)
