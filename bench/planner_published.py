@@ -189,6 +189,7 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
                 ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
                 ("torch's kernels", "elementwise" in (run.executor or {})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
+                ("shardwise's recompute and sp", "executor" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
     if any(changed for _, changed in software):
         steps.append((", ".join(name for name, changed in software if changed),

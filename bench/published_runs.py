@@ -159,7 +159,7 @@ def corpus() -> list[Run]:
     # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
     # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
     # microbatch assumed.
-    h100 = lambda gpus: Cluster(gpus, device="h100", executor="megatron")  # noqa: E731
+    h100 = lambda gpus: Cluster(gpus, device="h100")  # noqa: E731
     for gpus, seq, cp, dp, per_dp, tflops, held_out in ((8192, 8192, 1, 64, 32, 430, False),
                                                          (16384, 8192, 1, 128, 16, 400, False),
                                                          (16384, 131072, 16, 8, 16, 380, True)):
@@ -167,6 +167,7 @@ def corpus() -> list[Run]:
                         h100(gpus), seq, dp * per_dp,
                         dict(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True, microbatches=per_dp,
                              schedule="interleaved-1f1b", reduce_dtype=FP32), 1, tflops=tflops, calibrate=not held_out, virtual=4,
+                        executor=dict(executor="megatron"),
                         notes="ZeRO-2, interleaved v4, no recompute, Megatron-LM's sp (its backward all-gathers hidden) "
                               "assumed (Meta's pipeline schedule is its own)"))
     # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
@@ -211,11 +212,12 @@ def corpus() -> list[Run]:
         hidden, heads, layers = mpt[size]
         spec = gpt2_like(f"mpt-{size}", layers, hidden, heads, 50368, seq)
         runs.append(Run(f"mpt {size} {device} seq {seq} fsdp{gpus}", "llm-foundry", f"{device} {size} {seq} {gpus} GPUs",
-                        spec, Cluster(gpus, device=device, executor="torch-1.13"), seq, micro * accum * gpus,
+                        spec, Cluster(gpus, device=device), seq, micro * accum * gpus,
                         dict(dp=gpus, zero=3, recompute="full" if checkpointing else None, microbatches=accum,
                              reduce_dtype=None if (device, size) == ("a100", "70b") else FP32,
                              bucket_mb=FSDP_BUCKET_MB), micro,
-                        tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating))
+                        tokens_per_gpu=tokens_per_gpu, calibrate=(device, size, seq) in calibrating,
+                        executor=dict(executor="torch-1.13")))
     # every run's loss but torchtitan's is a fused kernel that writes the logits' gradient in place: Megatron's
     # vocab-parallel cross-entropy (also Meta's, a Megatron descendant), llm-foundry's fused_crossentropy
     # (flash-attn's, its default); torchtitan's is torch's eager one (above)
