@@ -121,8 +121,9 @@ class ParallelConfig:
             )
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={self.recompute!r} is not a recompute mode; use None, 'full' (keep only "
-                              "each block's input), 'selective' (keep matmul and attention outputs) or 'selective-alternate' (those but "
-                              "every second weight matmul's, torchtitan's op-level policy)")
+                              "each block's input), 'selective' (keep matmul and attention outputs) or "
+                              "'selective-alternate' (those but every second weight matmul's, torchtitan's op-level "
+                              "policy)")
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int) or self.sequence_dim < 1:
             raise ConfigError(f"sequence_dim={self.sequence_dim!r} must be the batch tensors' token dimension, an "
                               "integer >= 1 (dim 0 is the batch)")

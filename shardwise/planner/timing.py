@@ -26,7 +26,8 @@ parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's 
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed. Selective recompute runs a block's
 elementwise work again and the matmuls whose outputs it does not keep (`rerun_matmul_seconds`);
-full recompute the whole forward. The optimizer step streams the rank's
+full recompute the forward but its last matmul, where torch's checkpoint stops (other stacks:
+`Cluster.executor`). The optimizer step streams the rank's
 shard of parameters, gradients, moments and master weights through HBM: once for a fused
 optimizer, nine passes and the casts around them for torch's (`optimizer_bytes`).
 """
