@@ -293,7 +293,6 @@ RECOMPUTE_PEAKS = [("gpt", {"dp": 4, "recompute": "full"}), ("llama", {"dp": 4, 
                    ("gpt", {"tp": 2, "dp": 2, "recompute": "full"}),
                    ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"}),
                    ("llama", {"dp": 4, "recompute": "selective-alternate"}),
-                   ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "selective-alternate"}),
                    ("gpt-vocab", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "gpipe"}, 2)]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [

@@ -62,19 +62,24 @@ class Reached(NamedTuple):
     matmul: float
 
 
-def hardware_share(spec: ModelSpec, seq: int, recompute: str | None, tp: int, model_flops_per_token: float) -> float:
-    """The FLOPs a device runs per model FLOP (HFU / MFU), as the time model charges them: full
-    recompute runs every block's forward again (2 FLOPs per block parameter and token, 2 s h for
-    causal attention); Megatron-LM's selective its attention core (2 s h); shardwise's selective
-    the row-parallel matmuls' partial sums but the last under tp (the attention output
-    projection), selective-alternate also every second weight matmul but the last."""
+def hardware_share(spec: ModelSpec, cluster: Cluster, seq: int, recompute: str | None, tp: int,
+                   model_flops_per_token: float) -> float:
+    """The FLOPs a device runs per model FLOP (HFU / MFU), as the time model charges them on
+    `cluster`'s executor: full recompute runs every block's forward again (2 FLOPs per block
+    parameter and token, 2 s h for causal attention; shardwise's but the down projection);
+    selective Megatron-LM's attention core (2 s h, where attention writes its scores) and,
+    under tp, shardwise's row-parallel partial sums but the last (the attention output
+    projection); selective-alternate those and every second weight matmul but the last."""
+    runs = cluster.runs
     active = spec.layer_params[0] + spec.active_expert_params
-    matmuls = spec.weight_matmuls[:-1]
-    partials = sum(2 * out * inp for _, out, inp, rows in matmuls if rows) if tp > 1 else 0.0
-    alternate = sum(2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls) if i % 2 == 1 or (rows and tp > 1))
-    selective = 2 * spec.hidden * seq if spec.attention == "megatron" else partials
-    extra = {"full": 2 * active + 2 * spec.hidden * seq, "selective": selective,
-             "selective-alternate": alternate}.get(recompute, 0.0)
+    matmuls = spec.weight_matmuls
+    last = 0.0 if runs.full_reruns_last or not matmuls else 2 * matmuls[-1][1] * matmuls[-1][2]
+    partial = tp > 1 and runs.selective_reruns_partials
+    core = 2 * spec.hidden * seq if spec.attention == "megatron" else 0.0
+    rerun = [2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls[:-1]) if rows and partial]
+    alternate = [2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls[:-1]) if i % 2 == 1 or (rows and partial)]
+    extra = {"full": 2 * active + 2 * spec.hidden * seq - last, "selective": core + sum(rerun),
+             "selective-alternate": core + sum(alternate)}.get(recompute, 0.0)
     return 1 + spec.layers * extra / model_flops_per_token
 
 
@@ -302,7 +307,7 @@ def main() -> None:
         times[r.name] = (published, got.step_seconds)
         errors["calibration" if r.calibrate else "held out"].append(error)
         mfu = got.model_flops / (published * r.cluster.gpus * r.cluster.spec.peak_flops)
-        share = hardware_share(r.spec, r.seq, got.config.recompute, got.config.tp,
+        share = hardware_share(r.spec, r.executed_on, r.seq, got.config.recompute, got.config.tp,
                                got.model_flops / (r.global_batch * r.seq))
         published_mfu.append(Reached(r.name, r.cluster.device, r.spec.params, mfu, mfu * share,
                                      largest_matmul(r.spec, got.config.tp)))
@@ -351,7 +356,7 @@ def main() -> None:
                 if p.device == r.cluster.device and 1 / SIZE_BAND <= p.params / r.spec.params <= SIZE_BAND]
         published, hardware = max(p.mfu for p in band), max(p.hfu for p in band)
         pick = best[0]
-        pick_hardware = pick.mfu * hardware_share(r.spec, r.seq, pick.config.recompute, pick.config.tp,
+        pick_hardware = pick.mfu * hardware_share(pick.spec, r.cluster, r.seq, pick.config.recompute, pick.config.tp,
                                                   pick.model_flops / pick.tokens_per_step)
         gap, hardware_gap = (pick.mfu - published) * 100, (pick_hardware - hardware) * 100
         over += [r.name] if gap > 5 else []

@@ -113,7 +113,8 @@ def test_peaks_inside_the_step():
 
 
 TP_COLLECTIVES = [({"tp": 2, "sequence_parallel": sp, "recompute": rc}, sp, rc)
-                  for sp in (False, True) for rc in (None, "selective", "selective-alternate", "full")]
+                  for sp, rc in ((False, None), (False, "full"), (True, None), (True, "selective-alternate"),
+                                 (True, "full"))]
 
 
 def _tp_collectives_per_block(cases) -> list[float]:
