@@ -76,7 +76,7 @@ def hardware_share(spec: ModelSpec, cluster: Cluster, seq: int, recompute: str |
     last = 0.0 if runs.full_reruns_last or not matmuls else 2 * matmuls[-1][1] * matmuls[-1][2]
     partial = tp > 1 and runs.selective_reruns_partials
     core = 2 * spec.hidden * seq if spec.attention == "megatron" else 0.0
-    rerun = [2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls[:-1]) if rows and partial]
+    rerun = [2 * out * inp for _, out, inp, rows in matmuls[:-1] if rows and partial]
     alternate = [2 * out * inp for i, (_, out, inp, rows) in enumerate(matmuls[:-1]) if i % 2 == 1 or (rows and partial)]
     extra = {"full": 2 * active + 2 * spec.hidden * seq - last, "selective": core + sum(rerun),
              "selective-alternate": core + sum(alternate)}.get(recompute, 0.0)

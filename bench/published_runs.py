@@ -189,7 +189,8 @@ def corpus() -> list[Run]:
                         memory_gib=memory))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's
-    # checkpoint ("TODO: Update tables with torch 2.0"), which reran a block's whole forward. Rows at 2048 tokens
+    # checkpoint (the README says its tables still await a torch 2.0 rerun), which reran a block's whole
+    # forward. Rows at 2048 tokens
     # (and two at 8192), one per model size and device. Every other size calibrates (the H100's with Llama 3's
     # two 8K runs), the rest are held out.
     mpt = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),

@@ -47,13 +47,16 @@ RECOMPUTE_MODES = ("full", "selective", "selective-alternate")
 WEIGHT_MATMULS = ("mm", "addmm", "_grouped_mm")  # what selective-alternate counts (attention's bmm are not)
 
 
+def _aten_ops(names) -> set:
+    """The default overloads of the aten ops this torch has among `names`."""
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+
 def _saved_ops() -> set:
     """Ops whose outputs selective recompute keeps: the expensive ones."""
-    aten = torch.ops.aten
-    names = [*WEIGHT_MATMULS, "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu"]
-    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    ops = _aten_ops([*WEIGHT_MATMULS, "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu"])
     functional = getattr(torch.ops, "_c10d_functional", None)
     for name in ("reduce_scatter_tensor", "all_reduce"):
         if functional is not None and hasattr(functional, name):
@@ -112,8 +115,7 @@ def apply_recompute(module: nn.Module, config: ParallelConfig, resolved: Resolve
     paths = recompute_targets(module, config, resolved)
     selective = None
     if config.recompute in ("selective", "selective-alternate"):
-        weight_matmuls = {getattr(torch.ops.aten, name).default for name in WEIGHT_MATMULS
-                          if hasattr(torch.ops.aten, name)} if config.recompute == "selective-alternate" else None
+        weight_matmuls = _aten_ops(WEIGHT_MATMULS) if config.recompute == "selective-alternate" else None
         selective = functools.partial(_selective_contexts, _saved_ops(), weight_matmuls, tp)
     for path in paths:
         target = module.get_submodule(path)
