@@ -10,6 +10,7 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 from parity import (EPS_GRAD, EPS_LOSS, SGD, Run, assert_meaningful, assert_parity, full_grads, gpt_batches, make_gpt,
@@ -322,23 +323,47 @@ def _llama_collectives(layers: int, batch):
     pm = sw.parallelize(EndToEnd(transformers.LlamaForCausalLM(config)),
                         sw.ParallelConfig(tp=2, sequence_parallel=True), plan="llama")
     pm.train_step(batch)
-    with CollectiveCounter() as counter:
+    with CollectiveCounter() as counter, _GathersBesideMatmuls() as beside:
         pm.train_step(batch)
-    return dict(counter.calls), dict(counter.bytes)
+    return dict(counter.calls), dict(counter.bytes), beside.count
+
+
+class _GathersBesideMatmuls(TorchDispatchMode):
+    """Counts the all-gathers during which (between launch and wait) a matmul ran."""
+
+    def __enter__(self):
+        self.count, self.launched = 0, []  # per collective launched and not waited for: a matmul since?
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+            self.launched.append([name, False])
+        elif name in ("mm", "addmm", "bmm") and self.launched:
+            for entry in self.launched:
+                entry[1] = True
+        elif name == "wait_tensor" and self.launched:
+            kind, matmul_beside = self.launched.pop(0)
+            self.count += kind == "all_gather_into_tensor" and matmul_beside
+        return func(*args, **(kwargs or {}))
 
 
 def test_hugging_face_sequence_parallel_gathers_once_per_pair():
     """Llama's attention is gathered at its input (it reads hidden_states.shape): still one
-    all-gather and one reduce-scatter per column/row pair, and q, k, v share the gather."""
+    all-gather and one reduce-scatter per column/row pair, and q, k, v share the gather. Backward
+    gathers each pair's input again (kept as the shard) beside the first input-gradient matmul,
+    before the weight gradients wait for it (regather.py): a gather waited for at once fails."""
     ids = gpt_batches(1, 4)[0]
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}  # b=4, s=16, h=64
     activation = 4 * 16 * 64 * 4
-    (c2, b2), (c3, b3) = (sw.testing.run_on_ranks(_llama_collectives, 2, layers, batch)[0] for layers in (2, 3))
+    (c2, b2, beside2), (c3, b3, beside3) = (sw.testing.run_on_ranks(_llama_collectives, 2, layers, batch)[0]
+                                            for layers in (2, 3))
     per_layer = {op: c3.get(op, 0) - c2.get(op, 0) for op in set(c2) | set(c3)}
     per_layer_bytes = {op: b3.get(op, 0) - b2.get(op, 0) for op in set(b2) | set(b3)}
     assert {op: n for op, n in per_layer.items() if n} == {"all_gather": 6, "reduce_scatter": 4}
     assert per_layer_bytes["reduce_scatter"] == 4 * activation
     assert per_layer_bytes["all_gather"] == 6 * activation // 2
+    assert beside3 - beside2 == 2
 
 
 class ShardedLossMLP(nn.Module):

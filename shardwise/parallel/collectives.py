@@ -47,12 +47,22 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    gathered = funcol.wait_tensor(functional_all_gather(x.contiguous(), 0, group))
+    return _joined(funcol.wait_tensor(functional_all_gather(x.contiguous(), 0, group)), group, dim)
+
+
+def _joined(gathered: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     if dim == 0:
         return gathered
     # the ranks' parts come stacked on dim 0; funcol's own re-concatenation along `dim` is a
     # function torch 2.11's Dynamo refuses to trace inside an autograd.Function (cp attention)
     return torch.cat(gathered.chunk(dist.get_world_size(group), 0), dim)
+
+
+def all_gather_started(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of `x` along `dim` now (eager code); the returned function waits
+    for it and gives every rank's `x` concatenated in rank order (not differentiable)."""
+    arriving = functional_all_gather(x.contiguous(), 0, group)
+    return lambda: _joined(funcol.wait_tensor(arriving), group, dim)
 
 
 def all_gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

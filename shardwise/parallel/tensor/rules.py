@@ -37,6 +37,7 @@ from ...plan.resolve import ResolvedPlan
 from ...tensors import shard_for_compute
 from ..collectives import redistribute
 from .float8 import check_float8_config, float8_column, float8_row, is_float8_linear
+from .regather import column_matmul, column_matmul_keeping_shard
 
 if TYPE_CHECKING:
     from .sharding import ModuleLayout, TensorParallel
@@ -50,13 +51,11 @@ def _is_conv1d(module: nn.Module) -> bool:  # transformers.pytorch_utils.Conv1D:
 def column(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: ModuleLayout) -> torch.Tensor:
     x = tp.parallel_input(x, tp.input_placement(layout, Replicate()))
     weight, bias = shard_for_compute(module.weight), shard_for_compute(module.bias)
-    with tp.keeping_shards():
-        if _is_conv1d(module):
-            flat = x.reshape(-1, x.shape[-1])
-            y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
-            y = y.view(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, weight, bias)
+    kept = tp.kept_shard(x)
+    if kept is not None:
+        y = column_matmul_keeping_shard(x, weight, bias, kept, _is_conv1d(module))
+    else:
+        y = column_matmul(x, weight, bias, _is_conv1d(module))
     return tp.module_output(y, layout, Shard(-1))
 
 

@@ -45,6 +45,7 @@ from ...compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS, all_g
 from ..collectives import enter_parallel, redistribute
 from .check import checked_forward
 from .loss import PlainLoss
+from .regather import GatheredInput, RegatherCounts
 from .rules import (BUILTIN_FORWARDS, RULE_KIND, RuleContext, ShardedDropout, ShardedJitter, install_rule,
                     replace_module, tensor_parallel_rules)
 
@@ -68,7 +69,8 @@ class TensorParallel:
         # a tensor read by column-parallel modules -> {placement: entered}, this forward's (a plain dict keyed
         # by the tensor itself: Dynamo traces it inside a compiled block; cleared when the forward ends)
         self._entered: dict[torch.Tensor, dict[tuple, torch.Tensor]] = {}
-        self._gathered: dict[int, _GatheredInput] = {}  # storage of an all-gathered input -> its shard
+        self._gathered: dict[int, GatheredInput] = {}  # storage of an all-gathered input -> its shard
+        self.regathers = RegatherCounts()  # how backward gathered the kept shards again (regather.py)
         self._entered_storages: dict[int, str] = {}  # inputs gathered by a conversion -> the converting module
         self._converted: dict[torch.Tensor, bool] = {}  # the same inputs themselves (what compiled code sees)
         self._layouts: dict[tuple, ModuleLayout] = {}  # interned by value (layout)
@@ -214,7 +216,7 @@ class TensorParallel:
         if entered is None:
             entered = by_placement[key] = enter_parallel(x, src, self.group)
             if isinstance(src, Shard) and entered is not x and not torch.compiler.is_compiling():
-                gathered = _GatheredInput(x.detach(), src.dim % x.dim(), self.group)
+                gathered = GatheredInput(x.detach(), src.dim % x.dim(), self.group, self.regathers)
                 self._gathered[storage_id(entered.untyped_storage())] = gathered
                 self._keyed_by_storage.append(entered)
         return entered
@@ -278,23 +280,15 @@ class TensorParallel:
         """Whether module `path` is being recomputed with inputs already converted."""
         return bool(self._replaying) and path in self._replaying  # path unread when empty (compiled code)
 
-    def keeping_shards(self) -> contextlib.AbstractContextManager:
-        """Around a column-parallel module's compute: an input all-gathered from sequence
-        shards is saved for backward as this rank's shard and gathered again when backward
-        needs it (as Megatron's sequence parallelism does), so activation memory is 1/tp.
-        Not inside recompute, whose own hooks already keep nothing, nor in compiled code, whose
-        partitioner chooses what backward keeps."""
-        if torch.compiler.is_compiling() or not self._gathered \
+    def kept_shard(self, x: torch.Tensor) -> GatheredInput | None:
+        """Where `x` was all-gathered from sequence shards, the shard a column-parallel matmul keeps
+        for backward instead of it (regather.py), so activation memory is 1/tp. Not inside
+        recompute, whose own hooks already keep nothing, nor in compiled code, whose partitioner
+        chooses what backward keeps."""
+        if torch.compiler.is_compiling() or not self._gathered or not torch.is_grad_enabled() \
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        gathered = self._gathered.get(storage_id(tensor.untyped_storage())) if type(tensor) is torch.Tensor else None
-        if gathered is None:
-            return tensor
-        gathered.pending += 1
-        return gathered, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+            return None
+        return self._gathered.get(storage_id(x.untyped_storage()))
 
     def module_output(self, y: torch.Tensor, layout: ModuleLayout, natural: Placement) -> torch.Tensor:
         default = Replicate() if isinstance(natural, Partial) else natural
@@ -321,29 +315,6 @@ class ModuleLayout:
 
     def __init__(self, inputs: tuple, outputs: tuple, loss_parallel: bool):
         self.inputs, self.outputs, self.loss_parallel = inputs, outputs, loss_parallel
-
-
-class _GatheredInput:
-    """A sequence shard whose all-gather a backward will need again."""
-
-    def __init__(self, shard: torch.Tensor, dim: int, group):
-        self.shard, self.dim, self.group = shard, dim, group
-        self.pending = 0  # saved references not yet unpacked
-        self.full: torch.Tensor | None = None  # gathered once per backward, for all of them
-
-    def unpack(self, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:
-        if self.full is None:
-            with torch.no_grad():
-                self.full = redistribute(self.shard, Shard(self.dim), Replicate(), self.group)
-        full = self.full
-        self.pending -= 1
-        if self.pending == 0:
-            self.full = None
-        return full.as_strided(shape, stride, offset)
-
-
-def _unpack(packed: Any) -> torch.Tensor:
-    return packed[0].unpack(*packed[1:]) if isinstance(packed, tuple) else packed
 
 
 def apply_tensor_parallel(module: nn.Module, topology: Topology, resolved: ResolvedPlan,

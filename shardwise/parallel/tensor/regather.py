@@ -1,0 +1,118 @@
+"""Sequence parallelism's column-parallel inputs, kept for backward as this rank's shard.
+
+Under sequence parallelism a column-parallel module reads its input all-gathered from the
+sequence shards, and autograd would keep that whole input for the weight gradient. Here the
+module's matmul keeps the shard instead and its backward gathers the input again, as
+Megatron-LM's does: the block's activation memory stays 1/tp of the sequence. The gather is
+launched first and the input gradient (which needs only the weight) computed while it runs; the
+weight gradient waits for it. Modules reading the same input (q, k and v; gate and up) share one
+gather, launched by the first of their backwards, freed after the last.
+
+torch's `parallelize_module` keeps the gathered input whole (tp times the bytes). A saved-tensor
+hook around `F.linear` could keep the shard too, but autograd unpacks a node's saved tensors before
+it computes anything, so that gather would have nothing to run beside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import all_gather_started
+
+
+@dataclass
+class RegatherCounts:
+    """Backward's gathers of kept shards: `beside` (launched before the input gradient's
+    matmul) and `exposed` (waited for at once: a module whose input gradient is not needed)."""
+
+    beside: int = 0
+    exposed: int = 0
+
+
+class GatheredInput:
+    """A sequence shard whose all-gather backward needs again, once for every column-parallel
+    matmul that kept it (`pending`)."""
+
+    def __init__(self, shard: torch.Tensor, dim: int, group: dist.ProcessGroup, counts: RegatherCounts):
+        self.shard, self.dim, self.group, self.counts = shard, dim, group, counts
+        self.pending = 0  # matmuls whose backward has not taken the whole input yet
+        self.full: torch.Tensor | None = None  # gathered once per backward, for all of them
+        self._arriving: Callable[[], torch.Tensor] | None = None  # the launched gather's wait
+
+    def launch(self) -> None:
+        if self.full is None and self._arriving is None:
+            self._arriving = all_gather_started(self.shard, self.group, self.dim)
+
+    def take(self, shape: tuple, stride: tuple, offset: int, beside: bool) -> torch.Tensor:
+        """The whole input as the matmul read it (waiting for the launched gather)."""
+        if self.full is None:
+            if self._arriving is None:
+                self.launch()
+            self.full, self._arriving = self._arriving(), None
+            if beside:
+                self.counts.beside += 1
+            else:
+                self.counts.exposed += 1
+        full = self.full.as_strided(shape, stride, offset)
+        self.drop()
+        return full
+
+    def drop(self) -> None:
+        """One matmul's backward is done with the input; after the last, it is freed."""
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None
+
+
+def column_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool) -> torch.Tensor:
+    """`nn.Linear`'s x W^T + b, or transformers' `Conv1D`'s x W + b (W stored (in, out))."""
+    if not conv1d:
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return y.view(*x.shape[:-1], -1)
+
+
+class _ColumnMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, gathered: GatheredInput, conv1d: bool):
+        ctx.gathered, ctx.conv1d = gathered, conv1d
+        ctx.view, ctx.dtypes = (tuple(x.shape), x.stride(), x.storage_offset()), (x.dtype, weight.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        gathered.pending += 1
+        ctx.save_for_backward(weight)
+        return column_matmul(x, weight, bias, conv1d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        gathered, ctx.gathered = ctx.gathered, None
+        x_dtype, weight_dtype = ctx.dtypes
+        flat = grad.reshape(-1, grad.shape[-1])
+        if needs_weight:
+            gathered.launch()
+        grad_x = grad_weight = grad_bias = None
+        if needs_x:  # beside the gather (in the gradient's dtype: autocast's forward computed in it)
+            weight = weight.to(grad.dtype)
+            grad_x = (flat @ (weight.t() if ctx.conv1d else weight)).view(*grad.shape[:-1], -1).to(x_dtype)
+        if needs_weight:
+            x = gathered.take(*ctx.view, beside=needs_x)
+            x = x.reshape(-1, x.shape[-1]).to(grad.dtype)
+            grad_weight = (x.t() @ flat if ctx.conv1d else flat.t() @ x).to(weight_dtype)
+        else:  # a frozen weight: nothing to gather for
+            gathered.drop()
+        if ctx.bias_dtype is not None and needs_bias:
+            grad_bias = flat.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def column_matmul_keeping_shard(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                gathered: GatheredInput, conv1d: bool) -> torch.Tensor:
+    """A column-parallel module's matmul on `x`, all-gathered from `gathered`'s shard, keeping
+    only the shard for backward."""
+    return _ColumnMatmul.apply(x, weight, bias, gathered, conv1d)
