@@ -66,19 +66,26 @@ class Executor(NamedTuple):
     keep again under tp (shardwise's, torch's selective checkpointing policy); Megatron-LM's
     reruns its attention core only. `sp_gather_hidden`: sequence parallelism's backward
     all-gather of a column-parallel layer's input runs beside the input-gradient matmul
-    (Megatron-LM's), not before it (shardwise's)."""
+    (Megatron-LM's and shardwise's), not before it. `recompute_gathers`: under recompute the
+    column-parallel inputs are gathered again by the recomputation's forward, before anything
+    can run beside them (shardwise's recompute covers the whole block; Megatron-LM's selective
+    recomputes attention's core and keeps the shards as without it)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
     sp_gather_hidden: bool
+    recompute_gathers: bool
 
 
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {
-    "shardwise": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=False),
-    "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True),
+    "shardwise": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
+                          recompute_gathers=True),
+    "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
+                         recompute_gathers=False),
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward
-    "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False),
+    "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
+                           recompute_gathers=True),
 }
 
 

@@ -230,12 +230,14 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     act_bytes = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
     # a block's tp collectives per microbatch, in all-reduces of one activation (an all-gather or a
     # reduce-scatter is half of one): two forward, two backward; under sp two more all-gathers in
-    # backward (a column-parallel layer's input again, for its weight gradient; Megatron-LM's beside
-    # the input-gradient matmul); full recompute's forward again: shardwise's without the last
-    # reduction, and under sp its all-gathers replace backward's (tests/test_planner.py counts them)
+    # backward (a column-parallel layer's input again, for its weight gradient, beside the
+    # input-gradient matmul; under shardwise's recompute the recomputation's forward gathers them,
+    # exposed); full recompute's forward again: shardwise's without the last reduction, and under
+    # sp its all-gathers replace backward's (tests/test_planner.py counts them)
     sp = (L.sp == 1) & (L.tp > 1)
     full = L.recompute == 2
-    regather = OVERLAP_COST * sp if runs.sp_gather_hidden else sp
+    beside = runs.sp_gather_hidden & ~(runs.recompute_gathers & (L.recompute != 0))
+    regather = sp * np.where(beside, OVERLAP_COST, 1.0)
     collectives = 4 + regather + np.where(runs.full_reruns_last, 2 * full, full * np.where(sp, 0.5, 1.0))
     tp_comm = busiest_blocks * L.microbatches * collectives * all_reduce(cluster, L.tp, act_bytes, L.tp)
     kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
