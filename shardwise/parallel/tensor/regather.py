@@ -62,9 +62,10 @@ class GatheredInput:
         return full
 
     def drop(self) -> None:
-        """One matmul's backward is done with the input; after the last, it is freed."""
+        """One matmul's backward is done with the input; after the last, it is freed (a backward
+        again through a retained graph gathers it again)."""
         self.pending -= 1
-        if self.pending == 0:
+        if self.pending <= 0:
             self.full = None
 
 
@@ -91,7 +92,7 @@ class _ColumnMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        gathered, ctx.gathered = ctx.gathered, None
+        gathered = ctx.gathered
         x_dtype, weight_dtype = ctx.dtypes
         flat = grad.reshape(-1, grad.shape[-1])
         if needs_weight:
