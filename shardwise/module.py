@@ -81,7 +81,8 @@ class ParallelModule(nn.Module):
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         """The context forward and backward of a loss-parallel plan run in (a no-op otherwise):
-        train_step and infer_step use it; with a plain `pmodel(batch)` run the backward in it too."""
+        train_step and infer_step use it; after a plain `pmodel(batch)` the loss's backward enters it
+        itself (tensor/loss.py)."""
         tp = self.tensor_parallel
         return loss_parallel() if tp is not None and tp.loss_parallel else contextlib.nullcontext()
 
@@ -99,7 +100,6 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; `loss.backward()` then synchronizes gradients.
 
-        With a loss-parallel plan, run the backward inside `pmodel.loss_parallel()` too (train_step does).
         With pipeline parallelism use train_step and infer_step: one rank holds only its stages.
         """
         if self.pipeline is not None or self.context_parallel is not None:

@@ -212,13 +212,18 @@ def _partial_grads_synced(batch):
     pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2, sequence_parallel=True), plan="gpt")
     pm.train_step(batch)
     partial = sorted(n for n, p in pm.module.named_parameters() if id(p) in pm.tensor_parallel.partial_grad_params)
-    return type(pm.module.layers[0].ln1.weight.grad).__name__, full_grads(pm.module), partial
+    plain = sw.parallelize(make_gpt(0), sw.ParallelConfig(tp=2, sequence_parallel=True), plan="gpt")
+    plain(batch).backward()  # a user's habit, outside pmodel.loss_parallel(): the loss-parallel head's too
+    return type(pm.module.layers[0].ln1.weight.grad).__name__, full_grads(pm.module), partial, full_grads(plain.module)
 
 
 def test_partial_norm_gradients_are_summed_once_and_stay_plain():
+    """Also: `loss = pmodel(batch); loss.backward()` under the loss-parallel plan gives train_step's
+    gradients, bit for bit (torch alone fails in nll_loss_backward outside its loss_parallel context)."""
     batch = gpt_batches(1, 4)[0]
     reference = reference_run(gpt, [batch]).grads[0]
-    (kind, grads, partial), (_, other, _) = sw.testing.run_on_ranks(_partial_grads_synced, 2, batch)
+    (kind, grads, partial, plain), (_, other, _, _) = sw.testing.run_on_ranks(_partial_grads_synced, 2, batch)
+    assert grads.keys() == plain.keys() and all(torch.equal(grads[n], plain[n]) for n in grads)
     assert kind == "Tensor"  # a plain, replicated gradient: optimizers never re-reduce it
     per_layer = ["attn.o_proj.bias", "ln1.bias", "ln1.weight", "ln2.bias", "ln2.weight", "mlp.fc2.bias"]
     assert partial == sorted([f"layers.{i}.{n}" for i in range(2) for n in per_layer] + ["ln_f.bias", "ln_f.weight"])

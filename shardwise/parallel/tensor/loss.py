@@ -9,6 +9,10 @@ the head's output to the end of the forward, `PlainLoss` hands the cross-entropy
 plain tensor (each rank holds its whole value), whose gradient re-enters the loss-parallel
 backward as the replicated DTensor it came from. A pipeline's last stage replays the loss as
 the aten ops it was recorded as (pipeline/program.py): the same for `nll_loss_forward`.
+
+That backward needs torch's `loss_parallel` context. `train_step` runs it inside; a plain
+`loss = pmodel(batch); loss.backward()` would not (torch then fails in `nll_loss_backward`), so the
+loss's gradient hook enters it when it is not active and leaves it when that backward ends.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss as torch_loss
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 _LOSSES = (F.cross_entropy, F.nll_loss)
@@ -51,5 +57,22 @@ class PlainLoss(TorchFunctionMode):
 
 def _plain(loss):
     if isinstance(loss, DTensor) and all(isinstance(p, Replicate) for p in loss.placements):
-        return loss.to_local(grad_placements=loss.placements).clone()  # a view of it would refuse `loss += ...`
+        plain = loss.to_local(grad_placements=loss.placements).clone()  # a view of it would refuse `loss += ...`
+        if plain.requires_grad:
+            plain.register_hook(_backward_in_loss_parallel)
+        return plain
     return loss
+
+
+def _loss_ops_enabled() -> bool | None:
+    """Whether torch's loss-parallel ops are on (None: this torch keeps them elsewhere)."""
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    ops = getattr(torch_loss, "customized_loss_ops", None)
+    return None if handlers is None or ops is None else all(op in handlers for op in ops)
+
+
+def _backward_in_loss_parallel(grad: torch.Tensor) -> None:
+    if _loss_ops_enabled() is False:  # not inside pmodel.loss_parallel() (train_step's)
+        context = loss_parallel()
+        context.__enter__()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: context.__exit__(None, None, None))
