@@ -50,8 +50,7 @@ class GatheredInput:
     def take(self, shape: tuple, stride: tuple, offset: int, beside: bool) -> torch.Tensor:
         """The whole input as the matmul read it (waiting for the launched gather)."""
         if self.full is None:
-            if self._arriving is None:
-                self.launch()
+            self.launch()
             self.full, self._arriving = self._arriving(), None
             if beside:
                 self.counts.beside += 1

@@ -64,7 +64,7 @@ def row(module: nn.Module, x: torch.Tensor, *, tp: TensorParallel, layout: Modul
     weight = shard_for_compute(module.weight)
     tp.computing_partial = True  # selective recompute keeps the reduced output, not this full-size partial one
     try:
-        y = (x.reshape(-1, x.shape[-1]) @ weight).view(*x.shape[:-1], -1) if _is_conv1d(module) else F.linear(x, weight)
+        y = column_matmul(x, weight, None, _is_conv1d(module))
     finally:
         tp.computing_partial = False
     y = tp.module_output(y, layout, Partial())
