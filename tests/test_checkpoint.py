@@ -136,6 +136,37 @@ def test_resume_continues_bit_for_bit(tmp_path, config, plan):
     assert all(torch.equal(state[k], want_state[k]) for k in want_state)
 
 
+def _masters_between_layouts(root: str):
+    mixed = {"param_dtype": torch.bfloat16}
+    pm, opt = _parallel({"zero": 3, **mixed})
+    _train(pm, opt, BATCHES[:2])
+    sw.save_checkpoint(f"{root}/zero3", pm, opt)
+    other, other_opt = _parallel({"zero": 1, **mixed}, seed=7)
+    sw.load_checkpoint(f"{root}/zero3", other, other_opt)
+    sw.save_checkpoint(f"{root}/zero1", other, other_opt)
+    back, back_opt = _parallel({"zero": 3, **mixed}, seed=9)
+    sw.load_checkpoint(f"{root}/zero1", back, back_opt)
+    sw.save_checkpoint(f"{root}/zero3-again", back, back_opt)
+    return _train(pm, opt, BATCHES[2:4]), _train(back, back_opt, BATCHES[2:4])
+
+
+def test_float32_masters_cross_layouts_exactly(tmp_path):
+    """Mixed precision: ZeRO-3's master is its float32 shard, ZeRO-1's a copy beside bf16
+    parameters; a checkpoint carries the masters (not the bf16 values) from one to the other and
+    back, and training goes on from the round trip as from the original."""
+    original, round_trip = sw.testing.run_on_ranks(_masters_between_layouts, 2, str(tmp_path))[0]
+    assert original == round_trip
+    merged = {}
+    for name in ("zero3", "zero1", "zero3-again"):
+        sw.merge_checkpoint(tmp_path / name, tmp_path / f"{name}.safetensors")  # float32 masters preferred
+        merged[name] = load_file(str(tmp_path / f"{name}.safetensors"))
+    want = merged["zero3"]
+    assert all(v.dtype == torch.float32 for v in want.values())
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in want.values())  # masters, not bf16 values
+    for name in ("zero1", "zero3-again"):
+        assert want.keys() == merged[name].keys() and all(torch.equal(want[k], merged[name][k]) for k in want), name
+
+
 # -- atomic saves ----------------------------------------------------------------------------
 def _crash_during_second_save(path):
     pm, opt = _parallel({"zero": 1})

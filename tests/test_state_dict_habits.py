@@ -4,7 +4,8 @@
 Under ZeRO-3 the parameters between steps are views of freed storage; `state_dict()` used to
 hand those out (torch.save wrote 6 KB for a 424 KB model and could not read it back). Under
 ZeRO 1-2 the optimizer updates float32 masters and writes them back, so a plain nn.Module
-load that changed only the parameters was undone by the next step.
+load that changed only the parameters was undone by the next step; under ZeRO-3 the float32
+shard is the master, refilled by a load and left unrounded by `state_dict()`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _step(pm, opt, batch):
 
 
 def _habits(zero: int, tp: int):
-    config = sw.ParallelConfig(zero=zero, tp=tp, param_dtype=torch.bfloat16 if zero in (1, 2) else None)
+    config = sw.ParallelConfig(zero=zero, tp=tp, param_dtype=torch.bfloat16 if zero >= 1 else None)
     plan = "gpt" if tp > 1 else None
     pm = sw.parallelize(make_gpt(0), config, plan=plan)
     opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)

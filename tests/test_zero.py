@@ -54,9 +54,9 @@ def test_zero_with_pipeline(zero):
 
 
 # -- memory: the ZeRO paper's formulas --------------------------------------------------
-def _memory(zero: int):
+def _memory(zero: int, mixed: bool):
     model = make_gpt(0, n_layer=4, d_model=128)
-    pm = sw.parallelize(model, sw.ParallelConfig(zero=zero))
+    pm = sw.parallelize(model, sw.ParallelConfig(zero=zero, param_dtype=torch.bfloat16 if mixed else None))
     opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)
     index, count = sw.data_parallel_info(pm)
     pm.train_step(replica_slice(gpt_batches(1, 8)[0], index, count))
@@ -65,16 +65,20 @@ def _memory(zero: int):
     return pm.memory(), sum(p.numel() for p in pm.module.parameters()), padding, pm.summary()
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_per_rank_bytes_follow_the_zero_formulas(zero):
+@pytest.mark.parametrize("zero, mixed", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_per_rank_bytes_follow_the_zero_formulas(zero, mixed):
+    """Mixed precision under ZeRO-3 (bf16 parameters and gradients): the float32 shard is the
+    master and the parameters' only copy, 14 bytes an element over n ranks (FSDP2's); with a
+    bf16 shard kept beside it, parameters read 2/n and the optimizer 12/n (16 in all)."""
     n = 4
-    for memory, psi, padding, summary in sw.testing.run_on_ranks(_memory, n, zero):
+    for memory, psi, padding, summary in sw.testing.run_on_ranks(_memory, n, zero, mixed):
         expected = {  # Adam, fp32: parameters, gradients, optimizer state (exp_avg + exp_avg_sq)
-            0: (4 * psi, 4 * psi, 8 * psi),
-            1: (4 * psi, 4 * psi, 8 * psi / n),
-            2: (4 * psi, 4 * psi / n, 8 * psi / n),
-            3: (4 * psi / n, 4 * psi / n, 8 * psi / n),
-        }[zero]
+            (0, False): (4 * psi, 4 * psi, 8 * psi),
+            (1, False): (4 * psi, 4 * psi, 8 * psi / n),
+            (2, False): (4 * psi, 4 * psi / n, 8 * psi / n),
+            (3, False): (4 * psi / n, 4 * psi / n, 8 * psi / n),
+            (3, True): (4 * psi / n, 2 * psi / n, 8 * psi / n),
+        }[zero, mixed]
         for (name, got), want in zip(memory.items(), expected):
             assert abs(got - want) <= 0.05 * want + padding, (zero, name, got, want, padding)
         assert ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in memory.items()) in summary  # summary reports it

@@ -180,8 +180,10 @@ def _stage(reader: Reader, pmodel, optimizer, staged: list, states: dict, in_pla
         state = {k.rsplit("/", 1)[1]: torch.empty(piece.end - piece.start, dtype=getattr(torch, reader.keys[k]["dtype"]),
                                                   device=model.device)
                  for k in optim_keys if reader.keys[k]["shape"]}
+        # a float32 master that is the model's only copy (ZeRO-3) loads the saved master where there is one
+        values = f"master/{name}" if piece.master_shard and f"master/{name}" in reader.keys else f"model/{name}"
         for g, a, b, rect, sub in _regions(pmodel, piece):
-            _part(value, a, b, rect, sub).copy_(reader.read(f"model/{name}", g))
+            _part(value, a, b, rect, sub).copy_(reader.read(values, g))
             if master is not None:
                 source = f"master/{name}" if f"master/{name}" in reader.keys else f"model/{name}"
                 _part(master, a, b, rect, sub).copy_(reader.read(source, g))

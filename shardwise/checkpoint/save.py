@@ -195,6 +195,9 @@ def _collect(pmodel, optimizer) -> RankWriter:
         if not piece.owned:
             continue
         model, master = piece.model_values(), piece.optimized.reshape(-1) if piece.write_back is not None else None
+        if piece.master_shard:  # saved as any layout saves it: the model's dtype, and the master beside
+            master = piece.optimized.reshape(-1)
+            model = master.to(local(piece.param).dtype)
         state = {k: local(v) if isinstance(v, torch.Tensor) else v
                  for k, v in (optimizer.state.get(piece.optimized, {}) if optimizer is not None else {}).items()}
         for g, a, b, rect, sub in _regions(pmodel, piece):

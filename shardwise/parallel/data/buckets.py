@@ -87,7 +87,7 @@ class Bucket:
     under ZeRO the parameters' own storage laid out like the gradients, so a gradient shard
     and its parameter shard cover the same range: `param_buffer` (every parameter, flat;
     ZeRO-3 frees it between uses) and `param_shard` (ZeRO-3: this rank's part, the only
-    copy kept between uses).
+    copy kept between uses; float32 under mixed precision, where it is the master).
     """
 
     def __init__(self, index: int, params: list[nn.Parameter], reduce: ReduceGroup, dtype: torch.dtype,
@@ -186,14 +186,30 @@ class Bucket:
             local(param).data = view
 
     @torch.no_grad()
-    def keep_param_shard(self) -> None:
+    def keep_param_shard(self, before: torch.Tensor | None = None) -> None:
         """ZeRO-3: copy this rank's part of `param_buffer` into `param_shard`, its lasting home
-        (in place once it exists: the optimizer's tensors are views of it)."""
+        (in place once it exists: the optimizer's tensors are views of it). With `before` (the
+        part as it was gathered), only if something wrote to it since: a float32 shard (the
+        master weights under mixed precision, `hold_master_shard`) must not be rounded to the
+        buffer's precision by a read."""
         mine = self.param_buffer[self.shard_start: self.shard_start + self.shard_size]
         if self.param_shard is None:
             self.param_shard = mine.clone()
-        else:
+        elif before is None or not torch.equal(mine, before):
             self.param_shard.copy_(mine)
+
+    def hold_master_shard(self, master: torch.Tensor) -> None:
+        """ZeRO-3 under mixed precision: this rank's part in float32 (`master`) becomes the only
+        copy kept, updated in place by the optimizer and cast as it is gathered (FSDP2's
+        way): 4 bytes an element where a low-precision shard beside a float32 master took 6."""
+        self.param_shard = master
+
+    @property
+    def gather_source(self) -> torch.Tensor:
+        """What an all-gather of the parameters sends: this rank's shard in the buffer's dtype
+        (a cast copy of a float32 master shard)."""
+        shard = self.own_params
+        return shard if shard.dtype == self.param_buffer.dtype else shard.to(self.param_buffer.dtype)
 
     @property
     def own_params(self) -> torch.Tensor:

@@ -98,10 +98,11 @@ class Float8Gather:
         from torchao.float8.float8_utils import amax_to_scale
 
         b = self.bucket
+        values = b.gather_source  # in the parameters' dtype, as the module would cast its own weight
         amax = torch.zeros(len(self.modules), dtype=torch.float32, device=b.device)
         ranges = list(self._ranges())
         for i, where in ranges:
-            amax[i] = b.param_shard[where].abs().max().float()
+            amax[i] = values[where].abs().max().float()
         group = b.reduce.group
         waiter(dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group, async_op=True),
                f"all-reduce of float8 weight amaxes of parameter bucket {b.index}", group)
@@ -110,7 +111,7 @@ class Float8Gather:
             self.scales[i] = amax_to_scale(amax[i], self.dtype,
                                            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
         for i, where in ranges:
-            cast = hp_tensor_and_scale_to_float8(b.param_shard[where], self.scales[i], self.dtype,
+            cast = hp_tensor_and_scale_to_float8(values[where], self.scales[i], self.dtype,
                                                  self.modules[i].linear_mm_config, GemmInputRole.WEIGHT)
             self.shard[where].copy_(cast._data.view(torch.uint8))
         self.full.untyped_storage().resize_(self.full.numel())

@@ -12,7 +12,8 @@ only the gradient shard between steps (see `Bucket`); stage 3 adds `zero3.py`.
 
 With `config.param_dtype` (mixed precision) the pieces are float32 master copies and each
 step writes them back, cast, into the model; without it they are views into the model's
-own storage and cost no memory.
+own storage and cost no memory. Under ZeRO-3 the float32 shard is the master and the only
+copy kept: gathers cast it (zero3.py), so no low-precision shard sits beside it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ParamPiece:
     model_values: Callable[[], torch.Tensor]  # the model's own values for this range, flat
     start: int  # the range [start, end) of the parameter's local (tp) tensor, flattened, this piece covers
     end: int
+    master_shard: bool = False  # `optimized` is a float32 master that is also the model's only copy (ZeRO-3)
 
 
 class OptimizerParams:
@@ -62,6 +64,9 @@ class OptimizerParams:
         if zero.params_flat:  # the model's parameters move into flat buffers (ZeRO-3 has made them already)
             for bucket in gradients.buckets:
                 bucket.flatten_params()
+        if zero.params_sharded and fp32_values:
+            for bucket in gradients.buckets:
+                bucket.hold_master_shard(_master_shard(bucket, fp32_values))
         slot = {id(p): (b, i) for b in gradients.buckets for i, p in enumerate(b.params)}
         for param in module.parameters():
             if not param.requires_grad:
@@ -109,16 +114,17 @@ class OptimizerParams:
         def grad(lo=lo, hi=hi):
             return bucket.grad_shard[lo - start: hi - start] if self._has_grad(param) else None
 
+        def master_grad(grad=grad, dtype=torch.float32):  # a float32 master takes its gradient in float32
+            shard = grad()
+            return shard if shard is None or shard.dtype == dtype else shard.to(dtype)
+
         part = dict(model_values=lambda: bucket.param_range(lo, hi), start=lo - first, end=hi - first)
         if fp32 is None:  # the optimizer updates the model's own shard in place
             yield ParamPiece(param, bucket.param_range(lo, hi), grad, None, counted, **part)
+        elif self.zero.params_sharded:  # ZeRO-3: the shard is the float32 master (cast as it is gathered)
+            yield ParamPiece(param, bucket.param_range(lo, hi), master_grad, None, counted, **part, master_shard=True)
         else:
             master = fp32.detach().reshape(-1)[lo - first: hi - first].clone()
-
-            def master_grad(grad=grad, dtype=master.dtype):  # a float32 master takes its gradient in float32
-                shard = grad()
-                return shard if shard is None or shard.dtype == dtype else shard.to(dtype)
-
             yield ParamPiece(param, master, master_grad, lambda: part["model_values"]().copy_(master), counted, **part)
 
     def _has_grad(self, param: nn.Parameter) -> bool:
@@ -151,10 +157,10 @@ class OptimizerParams:
                 if self.zero.params_sharded and bucket.param_buffer.untyped_storage().nbytes() == 0:
                     continue  # released: the next use gathers the updated shard
                 self.gradients.stats.record("all_gather", bucket.param_buffer)
-                works.append((all_gather_single(bucket.param_buffer, bucket.own_params, group=bucket.reduce.group,
-                                                     async_op=True),
-                              bucket))
-            for work, bucket in works:
+                source = bucket.gather_source
+                works.append((all_gather_single(bucket.param_buffer, source, group=bucket.reduce.group, async_op=True),
+                              bucket, source))
+            for work, bucket, _ in works:
                 wait(work, f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
                      self.topology.coordinator)
         self._loaded = False
@@ -216,3 +222,14 @@ class OptimizerParams:
         return sum(p.optimized.numel() * p.optimized.element_size() for ps in self.pieces.values() for p in ps
                    if p.write_back is not None)
 
+
+def _master_shard(bucket: Bucket, fp32_values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """This rank's part of a ZeRO-3 bucket in float32, from the parameters' values before
+    they were cast (padding zero; a parameter without a float32 value keeps its own)."""
+    start, end = bucket.shard_start, bucket.shard_start + bucket.shard_size
+    master = bucket.param_shard.float()
+    for param, first, size in zip(bucket.params, bucket.offsets, bucket.sizes):
+        lo, hi = max(first, start), min(first + size, end)
+        if lo < hi and id(param) in fp32_values:
+            master[lo - start: hi - start] = fp32_values[id(param)].reshape(-1)[lo - first: hi - first]
+    return master

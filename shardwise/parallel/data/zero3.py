@@ -12,6 +12,10 @@ autograd saved stay valid) and re-filled by an all-gather:
   prefetched), released when the gradient of its input arrives (its backward is done)
   unless the unit before it needs it too, or at the end of the synchronization for a unit
   whose input needs none (an embedding).
+Under mixed precision the kept shard is the float32 master itself (zero.py): each gather
+sends a copy cast to the parameters' dtype, as FSDP2's all-gather copy-in does, so no
+low-precision shard is kept beside it (16 bytes of state an element with float32 gradients and
+Adam, not 18).
 The units around the main layer list share one gather when they are small (build.py's
 `zero3_units`): on a GPT that is 11 parameter all-gathers a step instead of 17, and on an
 oversubscribed CPU each costs milliseconds of scheduling latency whatever its size.
@@ -54,6 +58,7 @@ class ParameterShards:
         self.gradients = gradients
         self.stats = gradients.stats
         self._works: dict[int, Any] = {}
+        self._sources: dict[int, torch.Tensor] = {}  # what each all-gather under way sends
         self._gathered: set[int] = set()
         # buckets of Float8Linear weights gathered as float8 bytes for their units' use
         # (float8_gather.py); `whole()` still gathers them in high precision
@@ -109,12 +114,14 @@ class ParameterShards:
             self.whole_bytes += buffer.numel() * buffer.element_size()
             self.most_whole_bytes = max(self.most_whole_bytes, self.whole_bytes)
             self.stats.record("all_gather", buffer)
+            source = bucket.gather_source  # kept until the wait: a cast copy is referenced nowhere else
             with trace_range(f"launch all-gather of parameter bucket {bucket.index}"):
-                self._works[id(bucket)] = all_gather_single(buffer, bucket.param_shard, group=bucket.reduce.group,
-                                                            async_op=True)
+                self._works[id(bucket)] = all_gather_single(buffer, source, group=bucket.reduce.group, async_op=True)
+            self._sources[id(bucket)] = source
         if wait_now and id(bucket) in self._works:
             wait(self._works.pop(id(bucket)), f"all-gather of parameter bucket {bucket.index}", bucket.reduce.group,
                  self.gradients.coordinator)
+            del self._sources[id(bucket)]
             self._gathered.add(id(bucket))
 
     def _gather_float8(self, bucket: Bucket, wait_now: bool) -> None:
@@ -163,14 +170,17 @@ class ParameterShards:
     # hooks --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
-        """Every parameter whole inside the block (collective); writes to them are kept."""
+        """Every parameter whole inside the block (collective); writes to them are kept.
+        A float32 master shard takes its part again only if something wrote to it."""
         for bucket in self.gradients.buckets:
             self._gather(bucket, wait_now=True, whole=True)
+        gathered = {id(b): b.param_buffer[b.shard_start: b.shard_start + b.shard_size].clone()
+                    for b in self.gradients.buckets if b.param_shard.dtype != b.param_buffer.dtype}
         try:
             yield
         finally:
             for bucket in self.gradients.buckets:
-                bucket.keep_param_shard()
+                bucket.keep_param_shard(gathered.get(id(bucket)))
             self.release_all()
 
     def release_all(self) -> None:
