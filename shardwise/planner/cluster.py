@@ -69,23 +69,27 @@ class Executor(NamedTuple):
     (Megatron-LM's and shardwise's), not before it. `recompute_gathers`: under recompute the
     column-parallel inputs are gathered again by the recomputation's forward, before anything
     can run beside them (shardwise's recompute covers the whole block; Megatron-LM's selective
-    recomputes attention's core and keeps the shards as without it)."""
+    recomputes attention's core and keeps the shards as without it). `zero3_cast_shard`: ZeRO-3
+    under mixed precision keeps a low-precision copy of its parameter shard beside the float32
+    master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is
+    gathered (FSDP's, shardwise's)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
     sp_gather_hidden: bool
     recompute_gathers: bool
+    zero3_cast_shard: bool
 
 
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {
     "shardwise": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
-                          recompute_gathers=True),
+                          recompute_gathers=True, zero3_cast_shard=False),
     "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
-                         recompute_gathers=False),
+                         recompute_gathers=False, zero3_cast_shard=True),
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
-                           recompute_gathers=True),
+                           recompute_gathers=True, zero3_cast_shard=False),
 }
 
 

@@ -5,21 +5,22 @@ evaluates a whole grid of layouts at once and `explain()` evaluates one with the
 
 Memory (bytes on the busiest pipeline rank: the first, which keeps the most microbatches in
 flight and the embedding, or the last, which keeps the logits):
-- parameters: this rank's blocks and end pieces, sharded parts / tp; / (dp*cp) at ZeRO-3;
+- parameters: this rank's blocks and end pieces, sharded parts / tp; / (dp*cp) at ZeRO-3
+  (whose float32 shard is the master under mixed precision, cast as it is gathered);
   the blocks each end rank holds are what shardwise's stage balancer gives it
   (`stage_layers`: the same cost, FLOP share plus parameter share per module, so the
   embedding's parameters leave the first stage fewer blocks);
 - gradients: as parameters, in reduce_dtype (the parameters' dtype by default: the executor
   keeps them in its gradient buffers); / (dp*cp) at ZeRO-2 and 3;
-- optimizer: Adam's two float32 moments (+ float32 master weights under bf16), / (dp*cp)
-  from ZeRO-1 on;
+- optimizer: Adam's two float32 moments (+ float32 master weights under bf16, but at ZeRO-3),
+  / (dp*cp) from ZeRO-1 on;
 - activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
   measured against `sw.activation_memory` in tests/test_activations.py and
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once; and what a backward holds
   beyond them, the loss's transients or, while a block's backward runs, what recompute brings
   back of it and the backward's own working memory;
-- buffers: ZeRO-3's gathered parameters of two blocks; under ZeRO-2/3 the whole-gradient
+- buffers: ZeRO-3's gathered parameters of two blocks (and the cast shards they are gathered from); under ZeRO-2/3 the whole-gradient
   buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (ZeRO-3's, a
   block's each, less the activations of the blocks whose backwards are done by then), every one of
   them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
@@ -43,7 +44,7 @@ import numpy as np
 
 from ..config import ParallelConfig
 from ..parallel.data.gradients import IN_FLIGHT
-from .cluster import Cluster
+from .cluster import Cluster, Executor
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
 from .timing import OPTIMIZER_CODES, boundary_bytes, step_times
@@ -294,7 +295,7 @@ def _end_rank_layers(spec: ModelSpec, pp, virtual, seq_local) -> tuple[np.ndarra
 def evaluate(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int) -> Cost:
     """Predicted memory and step time of `layout` (arrays broadcast) for sequences of `seq_len`."""
     L = Layout(*(np.asarray(getattr(layout, f), dtype=np.float64) for f in Layout.__dataclass_fields__))
-    memory = _memory(spec, L, seq_len)
+    memory = _memory(spec, L, seq_len, cluster.runs)
     times = step_times(spec, cluster, L, seq_len, memory)
     return Cost(memory.params, memory.grads, memory.adam, memory.activations, memory.buffers, memory.step, *times,
                 sum(memory.first), sum(memory.last), memory.act_first, memory.act_last)
@@ -321,7 +322,7 @@ class _Memory:
     bucket: np.ndarray  # bytes of one gradient bucket (ZeRO 0-2): bucket_bytes or the largest tensor
 
 
-def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
+def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory:
     """Bytes per rank on the busier end of the pipeline: model states and activations."""
     layers_first, layers_last = _end_rank_layers(spec, L.pp, L.virtual, seq_len / L.cp)
     tied_elsewhere = (spec.head_params[0] == 0) & (L.pp > 1)  # the last stage holds the tied embedding too
@@ -336,11 +337,17 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     experts_first, experts_last = layers_first * spec.expert_params / L.ep, layers_last * spec.expert_params / L.ep
     shards = L.dp * L.cp
 
+    # float32 masters under lower-precision parameters, apart from the parameters, except where
+    # ZeRO-3's float32 shard is the master and gathers cast it (runs.zero3_cast_shard: not so)
+    masters = L.param_bytes < FLOAT32
+    master_is_shard = masters & (L.zero == 3) & (not runs.zero3_cast_shard)
+    optimizer_bytes = 2 * FLOAT32 + np.where(masters & ~master_is_shard, FLOAT32, 0)
+    shard_bytes = np.where(master_is_shard, FLOAT32, L.param_bytes)
+
     def states(count, experts):  # experts' ZeRO shards are over the dp / ep ranks holding the same experts
         def held(stage):
             return count / np.where(L.zero >= stage, shards, 1) + experts / np.where(L.zero >= stage, shards / L.ep, 1)
-        adam = (2 * FLOAT32 + np.where(L.param_bytes == FLOAT32, 0, FLOAT32)) * held(1)
-        return held(3) * L.param_bytes, held(2) * L.grad_bytes, adam
+        return held(3) * shard_bytes, held(2) * L.grad_bytes, optimizer_bytes * held(1)
 
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
@@ -424,21 +431,22 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int) -> _Memory:
     held = np.minimum(filling, rank_bytes)
     held = np.where(deferred & (L.zero >= 2), np.maximum(held, torch_grads), held)
     weight_grads = np.where(deferred, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
-    buffers = np.where(L.zero == 3, 2 * block_bytes, 0.0) + held + sent + weight_grads
-    step = np.maximum(step_temporaries(spec, L, adam, end_tensor) - activations - buffers, 0.0)
+    # ZeRO-3 gathers two blocks whole; casting a float32 master shard, each sends a cast copy of it
+    gathers = 2 * block_bytes * (1 + np.where(master_is_shard, 1 / shards, 0.0))
+    buffers = np.where(L.zero == 3, gathers, 0.0) + held + sent + weight_grads
+    step = np.maximum(step_temporaries(spec, L, adam / optimizer_bytes, end_tensor) - activations - buffers, 0.0)
     return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first,
                    params_last + experts_last, first, last, act_first, act_last, layers_first, layers_last, bucket)
 
 
-def step_temporaries(spec: ModelSpec, L: Layout, adam, end_tensor):
-    """Bytes the optimizer step allocates on a rank whose Adam state is `adam` bytes, when the
+def step_temporaries(spec: ModelSpec, L: Layout, elements, end_tensor):
+    """Bytes the optimizer step allocates on a rank whose optimizer updates `elements`, when the
     activations and the backward's buffers are gone (measured on an H200: bench/planner_device.py;
     on CPUs: bench/planner.py's in-step peak). Float32 masters take their gradients as float32
     copies, all before the step (shardwise's data/zero.py load_grads; Megatron's main gradients);
     torch's foreach Adam then holds the square roots of the second moments, one float32 per
     element, its for-loop two float32 temporaries of one tensor at a time; a fused one none."""
     masters = L.param_bytes < FLOAT32
-    elements = adam / (2 * FLOAT32 + np.where(masters, FLOAT32, 0))
     casts = np.where(masters & (L.grad_bytes < FLOAT32), FLOAT32 * elements, 0.0)
     largest = np.minimum(np.maximum(largest_block_tensor(spec, L), end_tensor), elements)
     return casts + np.select([L.optimizer == OPTIMIZER_CODES["foreach"], L.optimizer == OPTIMIZER_CODES["for-loop"]],

@@ -164,18 +164,20 @@ def head_seconds(spec: ModelSpec, cluster: Cluster, L, tokens):
             + 3 * 4 * tokens * vocab / cluster.spec.hbm_bw)
 
 
-def optimizer_bytes(L):
+def optimizer_bytes(L, zero3_cast_shard: bool = False):
     """HBM bytes an Adam step moves per element of the rank's optimizer shard, at the link's
     full rate: float32 masters first take float32 copies of gradients below float32; the update
     reads float32 gradients and reads and writes parameters (or masters) and both moments, in
     one pass when fused (28 bytes), in nine for torch's foreach or for-loop Adam (weight decay,
     the first moment's lerp, the second's scale and addcmul, its square root, the bias
     correction, epsilon, the addcdiv: 80, streaming at TORCH_OPTIMIZER_RATE of the link); the
-    masters are written back to the parameters and the gradient buffers zeroed."""
+    masters are written back to the parameters (not at ZeRO-3, whose gathers cast the master
+    shard, unless `zero3_cast_shard`: Executor's) and the gradient buffers zeroed."""
     masters = np.where(L.param_bytes >= FLOAT32, 0, 1)
     casts = np.where(L.grad_bytes < FLOAT32, L.grad_bytes + FLOAT32, 0) * masters
     update = np.where(L.optimizer == OPTIMIZER_CODES["fused"], 28, 80 / TORCH_OPTIMIZER_RATE)
-    return casts + update + (FLOAT32 + L.param_bytes) * masters + L.grad_bytes
+    written_back = masters * np.where((L.zero == 3) & (not zero3_cast_shard), 0, 1)
+    return casts + update + (FLOAT32 + L.param_bytes) * written_back + L.grad_bytes
 
 
 def boundary_bytes(spec: ModelSpec, L, tokens):
@@ -280,5 +282,5 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     reductions = np.where((L.zero == 2) & (L.pp == 1), L.microbatches, 1)
     dp_comm = np.where(L.zero == 3, zero3, reductions * _overlapped(reduce, last_backward) + gather_after_step)
 
-    optimizer_step = rank_params / np.where(L.zero >= 1, shards, 1) * optimizer_bytes(L) / cluster.spec.hbm_bw
+    optimizer_step = rank_params / np.where(L.zero >= 1, shards, 1) * optimizer_bytes(L, cluster.runs.zero3_cast_shard) / cluster.spec.hbm_bw
     return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
