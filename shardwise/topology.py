@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig
-from .coordination import Coordinator, control_backend, default_store
+from .coordination import Coordinator, control_backend
+from .peer_watch import default_store
 from .errors import ShardwiseError
 from .shared_groups import generation, shared_group
 

@@ -108,7 +108,8 @@ def _saver_coordinator(pmodel):
     if pmodel.save_coordinator is None:
         import torch.distributed as dist
 
-        from ..coordination import Coordinator, control_backend, default_store
+        from ..coordination import Coordinator, control_backend
+        from ..peer_watch import default_store
 
         topology = pmodel.topology
         group = dist.new_group(list(range(topology.world_size)), backend=control_backend(),
