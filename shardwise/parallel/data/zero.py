@@ -225,7 +225,7 @@ class OptimizerParams:
 
 def _master_shard(bucket: Bucket, fp32_values: dict[int, torch.Tensor]) -> torch.Tensor:
     """This rank's part of a ZeRO-3 bucket in float32, from the parameters' values before
-    they were cast (padding zero; a parameter without a float32 value keeps its own)."""
+    they were cast (the padding, and a parameter without a float32 value, as the shard holds them)."""
     start, end = bucket.shard_start, bucket.shard_start + bucket.shard_size
     master = bucket.param_shard.float()
     for param, first, size in zip(bucket.params, bucket.offsets, bucket.sizes):
