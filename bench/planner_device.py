@@ -242,6 +242,8 @@ def measure_step(entry: str, device: torch.device, name: str, seq: int, batch: i
     if device.type == "cuda":
         row["measured_bytes"] = torch.cuda.max_memory_allocated(device)
         row["memory_error"] = row["predicted_bytes"] / row["measured_bytes"] - 1
+        # what torchtitan publishes (max_reserved_gib): the allocator's cache at the steps' peak
+        row["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return row
 
 
@@ -308,7 +310,9 @@ def _print_step(r: dict) -> None:
             f"{r['predicted_s'] * 1e3:.1f} ms ({r['error'] * 100:+.1f}%)")
     if "measured_bytes" in r:
         line += (f"; peak {r['measured_bytes'] / 2 ** 30:.2f} GiB, planner {r['predicted_bytes'] / 2 ** 30:.2f} "
-                 f"GiB ({r['memory_error'] * 100:+.1f}%); held before the case {r['held_before'] / 2 ** 30:.2f} GiB")
+                 f"GiB ({r['memory_error'] * 100:+.1f}%); reserved {r['reserved_bytes'] / 2 ** 30:.2f} GiB "
+                 f"({r['reserved_bytes'] / r['measured_bytes'] - 1:+.1%} over the peak); held before the case "
+                 f"{r['held_before'] / 2 ** 30:.2f} GiB")
     print(line)
     terms = r["predicted_terms"]
     passes = terms.get("compute", 0.0) + terms.get("recompute", 0.0)
