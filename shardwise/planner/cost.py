@@ -20,12 +20,13 @@ flight and the embedding, or the last, which keeps the logits):
   keep, times the microbatches a pipeline schedule holds at once; and what a backward holds
   beyond them, the loss's transients or, while a block's backward runs, what recompute brings
   back of it and the backward's own working memory;
-- buffers: ZeRO-3's gathered parameters of two blocks (and the cast shards they are gathered from); under ZeRO-2/3 the whole-gradient
-  buckets a backward fills and reduce-scatters, at most IN_FLIGHT + 1 at once (ZeRO-3's, a
-  block's each, less the activations of the blocks whose backwards are done by then), every one of
-  them in a pipeline's step, which reduces after its last microbatch (the peak inside a step,
-  measured by bench/planner.py's in-step peak); under torch's zero-bubble executor the sends it
-  keeps until the step ends and the weight gradients it keeps apart from the buckets;
+- buffers: ZeRO-3's gathered parameters of two blocks (and the cast shards they are gathered
+  from); under ZeRO-2/3 the whole-gradient buckets a backward fills and reduce-scatters, at
+  most IN_FLIGHT + 1 at once (ZeRO-3's, a block's each, less the activations of the blocks
+  whose backwards are done by then), every one of them in a pipeline's step, which reduces
+  after its last microbatch (the peak inside a step, measured by bench/planner.py's in-step
+  peak); under torch's zero-bubble executor the sends it keeps until the step ends and the
+  weight gradients it keeps apart from the buckets;
 - the optimizer step's temporaries (`step_temporaries`: float32 copies of the gradients for
   float32 masters, torch's foreach Adam's square roots), where they outweigh the activations
   and buffers the backward held: the step comes after those are freed.
