@@ -192,7 +192,7 @@ class Bucket:
         part as it was gathered), only if something wrote to it since: a float32 shard (the
         master weights under mixed precision, `hold_master_shard`) must not be rounded to the
         buffer's precision by a read."""
-        mine = self.param_buffer[self.shard_start: self.shard_start + self.shard_size]
+        mine = self.buffer_part
         if self.param_shard is None:
             self.param_shard = mine.clone()
         elif before is None or not torch.equal(mine, before):
@@ -216,6 +216,11 @@ class Bucket:
         """This rank's shard of the parameters: what an update writes and the all-gather sends."""
         if self.param_shard is not None:
             return self.param_shard
+        return self.buffer_part
+
+    @property
+    def buffer_part(self) -> torch.Tensor:
+        """This rank's range of `param_buffer`, in the parameters' dtype."""
         return self.param_buffer[self.shard_start: self.shard_start + self.shard_size]
 
     def param_range(self, lo: int, hi: int) -> torch.Tensor:

@@ -174,7 +174,7 @@ class ParameterShards:
         A float32 master shard takes its part again only if something wrote to it."""
         for bucket in self.gradients.buckets:
             self._gather(bucket, wait_now=True, whole=True)
-        gathered = {id(b): b.param_buffer[b.shard_start: b.shard_start + b.shard_size].clone()
+        gathered = {id(b): b.buffer_part.clone()
                     for b in self.gradients.buckets if b.param_shard.dtype != b.param_buffer.dtype}
         try:
             yield
