@@ -179,6 +179,11 @@ WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bu
         ("degrees", ("dp", "tp", "pp", "cp", "sequence_parallel", "microbatches")), ("schedule", ("schedule",)))
 
 
+# what changes where a run's executor gives way to shardwise's (planner/cluster.py's EXECUTORS)
+OWN_EXECUTION = {"megatron": "shardwise's recompute and sp", "torch-1.13": "shardwise's recompute and sp",
+                 "fsdp2": "shardwise's gradient buffers"}
+
+
 def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
     """The predictions from the run's own layout on its own software to the search's `pick`:
     then on the pick's software, then taking the pick's recompute, its ZeRO stage and gradient
@@ -194,7 +199,7 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
                 ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
                 ("torch's kernels", "elementwise" in (run.executor or {})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
-                ("shardwise's recompute and sp", "executor" in (run.executor or {})),
+                (OWN_EXECUTION.get((run.executor or {}).get("executor")), "executor" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
     if any(changed for _, changed in software):
         steps.append((", ".join(name for name, changed in software if changed),

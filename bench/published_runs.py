@@ -173,11 +173,13 @@ def corpus() -> list[Run]:
     # torchtitan, Llama 3.1 8B, FSDP (ZeRO-3, gradients reduced in float32, its default), local batch 2, seq 8192,
     # bf16 rows only (float8 is not in the planner). The H100s are HBM2e 96 GB at 500 W (below the SXM's peak, by
     # torchtitan's own note). At the benchmark's commit (9dec370, train_configs/llama3_8b.toml and train.py):
-    # selective AC with its "op" policy, which keeps every compute op's output but every second mm's
+    # selective AC with its "op" policy, which keeps the matmuls' and attention's outputs but every second mm's
     # (shardwise's selective-alternate); torch.compile compiles each TransformerBlock, not the loss ("compiling
     # loss function causes CUDA errors, turning off for now"): both rows run torch's eager cross-entropy on
-    # float32 logits. Memory is published as the peak the caching allocator reserved (max_reserved_gib); the
-    # planner predicts the peak allocated, which it cannot exceed.
+    # float32 logits; zero_grad(set_to_none=True) frees the gradients between steps (the "fsdp2" executor:
+    # bench/planner_torchtitan.py measures that step's allocated peak). Memory is published as the peak the
+    # caching allocator reserved (max_reserved_gib); the planner predicts the peak allocated, which it cannot
+    # exceed.
     titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
     for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
                                      (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
@@ -185,7 +187,7 @@ def corpus() -> list[Run]:
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
                         dict(dp=gpus, zero=3, recompute="selective-alternate", microbatches=1, reduce_dtype=FP32,
                              bucket_mb=FSDP_BUCKET_MB), 2,
-                        tokens_per_gpu=tps,
+                        tokens_per_gpu=tps, executor=dict(executor="fsdp2"),
                         memory_gib=memory))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's

@@ -72,13 +72,18 @@ class Executor(NamedTuple):
     recomputes attention's core and keeps the shards as without it). `zero3_cast_shard`: ZeRO-3
     under mixed precision keeps a low-precision copy of its parameter shard beside the float32
     master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is
-    gathered (FSDP's, shardwise's)."""
+    gathered (FSDP's, shardwise's). `grads_between_steps`: under dp the gradients' memory stays
+    allocated between steps (shardwise's buffers, Megatron-LM's main-gradient buffers, a
+    zero_grad that zeroes in place); FSDP2 under zero_grad(set_to_none=True) frees them, so the
+    loss's backward, first in a step's backward, runs before any exists (measured on
+    torchtitan's own step: bench/planner_torchtitan.py)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
     sp_gather_hidden: bool
     recompute_gathers: bool
     zero3_cast_shard: bool
+    grads_between_steps: bool = True
 
 
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
@@ -90,6 +95,10 @@ EXECUTORS = {
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
                            recompute_gathers=True, zero3_cast_shard=False),
+    # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers, its
+    # gradients freed by zero_grad(set_to_none=True) between steps
+    "fsdp2": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
+                      recompute_gathers=True, zero3_cast_shard=False, grads_between_steps=False),
 }
 
 
