@@ -281,9 +281,12 @@ STEP_PEAKS = [("gpt-wide", {"dp": 4, "zero": zero, "param_dtype": torch.bfloat16
               for zero in (0, 1)] + [
     ("gpt-wide", {"dp": 4, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "recompute": "full"}, 1)]
 # a vocabulary whose logits outweigh the blocks: the cross-entropy's backward holds two gradients
-# of the logits' size beside the kept log-probabilities (bf16: in bf16, as our GPT's loss runs)
+# of the logits' size beside the kept log-probabilities (bf16: in bf16, as our GPT's loss runs);
+# without dp no buffer keeps the gradients between steps, but a second microbatch's loss finds the
+# first's accumulated
 VOCAB_PEAKS = [("gpt-vocab", {"dp": 4}), ("gpt-vocab", {"dp": 4, "param_dtype": torch.bfloat16}),
-               ("gpt-vocab", {"tp": 4}), ("gpt-vocab", {"tp": 2, "dp": 2, "zero": 1, "recompute": "full"})]
+               ("gpt-vocab", {"tp": 4}), ("gpt-vocab", {"tp": 2, "dp": 2, "zero": 1, "recompute": "full"}),
+               ("gpt-vocab", {"tp": 4, "microbatches": 2}, 1)]
 # activations a backward brings back: a block recomputed whole (full) or in part (selective) beside
 # what the others keep, on one rank and on a pipeline's, whose other microbatches stay; tp's recomputed
 # tensors (its shared lookups outlived the recomputation), sp's gathered inputs (held to the forward's

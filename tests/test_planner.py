@@ -96,7 +96,9 @@ def test_peaks_inside_the_step():
       Llama's peak 27% above the prediction: bench/planner_device.py); with a vocabulary whose
       logits outweigh the blocks (bench.VOCAB_PEAKS), the cross-entropy's backward holds two
       gradients of the logits' size beside the kept log-probabilities (three under tp's
-      loss_parallel; uncharged, 45-67% below: invisible at the other models' 64-token vocabulary);
+      loss_parallel; uncharged, 45-67% below: invisible at the other models' 64-token vocabulary),
+      and under tp alone, where no buffer keeps the gradients between steps, a second microbatch's
+      loss still finds the first's (charged as absent: 13% below);
       a backward brings back what recompute dropped of the block it is in, beside the other
       blocks' kept activations, and holds its own working memory (the gradient it received, the
       MLP hidden's, the down projection's weight gradient; uncharged, full recompute was 32-53%

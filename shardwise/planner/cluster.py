@@ -74,9 +74,9 @@ class Executor(NamedTuple):
     master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is
     gathered (FSDP's, shardwise's). `grads_between_steps`: under dp the gradients' memory stays
     allocated between steps (shardwise's buffers, Megatron-LM's main-gradient buffers, a
-    zero_grad that zeroes in place); FSDP2 under zero_grad(set_to_none=True) frees them, so the
-    loss's backward, first in a step's backward, runs before any exists (measured on
-    torchtitan's own step: bench/planner_torchtitan.py)."""
+    zero_grad that zeroes in place); torchtitan's FSDP2 and Composer's FSDP call
+    zero_grad(set_to_none=True), which frees them, so the first microbatch's loss backward runs
+    before any exists (measured on torchtitan's own step: bench/planner_torchtitan.py)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
@@ -92,9 +92,10 @@ EXECUTORS = {
                           recompute_gathers=True, zero3_cast_shard=False),
     "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
                          recompute_gathers=False, zero3_cast_shard=True),
-    # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward
+    # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward;
+    # Composer's trainer calls zero_grad(set_to_none=True) before each batch
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
-                           recompute_gathers=True, zero3_cast_shard=False),
+                           recompute_gathers=True, zero3_cast_shard=False, grads_between_steps=False),
     # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers, its
     # gradients freed by zero_grad(set_to_none=True) between steps
     "fsdp2": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,

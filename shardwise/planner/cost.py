@@ -213,9 +213,9 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
     both alive beside the kept log-probabilities while the log-softmax's backward runs (each
     tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes
     first in backward, before the parameters' gradients exist unless gradient buffers keep them
-    between steps (`resident`: dp or cp reduce them into buffers the executor keeps, which
-    FSDP2's zero_grad frees); the planner counts `grads` (the rank's gradient bytes) in every
-    case, so only the excess shows.
+    between steps (dp or cp reduce them into buffers the executor keeps, which FSDP2's zero_grad
+    frees) or an earlier microbatch's backward made them (`resident`); the planner counts `grads`
+    (the rank's gradient bytes) in every case, so only the excess shows.
     Measured (bench/planner.py VOCAB_PEAKS): a GPT with a 16K vocabulary on 4 CPU ranks, dp (float32
     and bf16), tp and tp x dp within 0.4% of the in-step peak (45-67% low without it); Llama 3's 128K
     vocabulary at 8K tokens: 7.8 GiB on an H200."""
@@ -371,7 +371,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     held_last = held_last + np.where(deferred, np.minimum(L.microbatches, L.pp) * layers_last / L.virtual
                                      * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
-    resident = (shards > 1) & runs.grads_between_steps
+    resident = ((shards > 1) & runs.grads_between_steps) | (L.microbatches > 1)
     # What a backward holds beyond the saved activations: the loss's transients first, then, while a
     # block's backward runs, what recompute brings back of it (all of it under full recompute) and
     # its own working memory (zero-bubble's deferred weight backwards keep theirs, charged above). By
