@@ -242,7 +242,8 @@ def test_zero_bubble_bubble_is_torchs(p, v, m):
 
 
 def _executor_apart(run) -> bool:
-    """Runs whose executor the planner does not model (see the test below)."""
+    """Runs whose step time the planner does not model as they ran (see the test below; their
+    memory it does: Cluster(executor="fsdp2"))."""
     return run.source == "torchtitan"
 
 
@@ -250,7 +251,7 @@ def test_published_runs_within_bounds():
     """bench/published_runs.py's corpus: the step time predicted for each published layout
     against the published one, within the issue's bounds: median |error| <= 10% on the
     held-out part and on the whole, and at most 25% on every run but torchtitan's, whose
-    executor the planner does not model: its selective checkpointing recomputes every second
+    step the planner does not time as it ran: its selective checkpointing recomputes every second
     matmul (+12% of an 8B Llama's compute), its H100s ran at 500 W with a peak it does not
     know, two rows are eager (they miss by 12-25%).
     Dropping a term breaks a bound: Megatron-LM's materialized attention charged as flash
