@@ -86,10 +86,12 @@ class Executor(NamedTuple):
     grads_between_steps: bool = True
 
 
+SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
+                              recompute_gathers=True, zero3_cast_shard=False)
+
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {
-    "shardwise": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
-                          recompute_gathers=True, zero3_cast_shard=False),
+    "shardwise": SHARDWISE_EXECUTOR,
     "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
                          recompute_gathers=False, zero3_cast_shard=True),
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward;
@@ -98,8 +100,7 @@ EXECUTORS = {
                            recompute_gathers=True, zero3_cast_shard=False, grads_between_steps=False),
     # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers, its
     # gradients freed by zero_grad(set_to_none=True) between steps
-    "fsdp2": Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
-                      recompute_gathers=True, zero3_cast_shard=False, grads_between_steps=False),
+    "fsdp2": SHARDWISE_EXECUTOR._replace(grads_between_steps=False),
 }
 
 
