@@ -180,8 +180,9 @@ WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bu
 
 
 # what changes where a run's executor gives way to shardwise's (planner/cluster.py's EXECUTORS)
-OWN_EXECUTION = {"megatron": "shardwise's recompute and sp", "torch-1.13": "shardwise's recompute and sp",
-                 "fsdp2": "shardwise's gradient buffers"}
+OWN_EXECUTION = {"megatron": "shardwise's recompute, sp and ZeRO-2/3 gradients freed between steps",
+                 "torch-1.13": "shardwise's recompute, sp and ZeRO-0/1 gradient buffers",
+                 "fsdp2": "shardwise's ZeRO-0/1 gradient buffers"}
 
 
 def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:

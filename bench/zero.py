@@ -77,7 +77,7 @@ def main() -> None:
     rate = print_times(res["times"], args.batch * n)
     print(f"ratio shardwise zero=3 / FSDP2 samples/s: {rate['shardwise zero=3'] / rate['torch FSDP2']:.3f}  (aim >= 1.0)")
     print(f"\n{'stage':<6} {'collectives per step':<70} {'elements / Psi':>14} {'ZeRO volume':>12}   "
-          f"per-rank MiB: params / grads / optimizer")
+          f"per-rank MiB between steps: params / grads / optimizer")
     theory = {0: "2 Psi (ring)", 1: "2 Psi", 2: f"{m + 1} Psi", 3: f"{3 * m} Psi"}
     for zero, (calls, elements, memory) in res["volumes"].items():
         moved = sum(e for op, e in elements.items() if op != "broadcast")

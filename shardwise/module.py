@@ -265,8 +265,10 @@ class ParallelModule(nn.Module):
             self.after_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset gradients (to None by default), keeping the gradient buckets consistent."""
+        """Reset gradients (to None by default), keeping the gradient buckets consistent; the
+        optimizer's tensors let go of theirs too, so freed gradient storage is not kept alive."""
         self.gradients.zero_grad(set_to_none)
+        self.optimizer_params.zero_grad()
 
     # state dicts ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -90,7 +90,6 @@ class ParallelOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._found_inf = None
         self._pmodel.zero_grad(set_to_none)
-        self._pmodel.optimizer_params.zero_grad()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm.

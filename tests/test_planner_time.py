@@ -284,11 +284,11 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
     runs = {r.name: r for r in published.corpus()}
     for name, first_steps in (("korthikanti 175B sp + selective",
                                ["published layout",
-                                "flash attention, torch's cross-entropy, torch's kernels, shardwise's recompute and sp, "
-                                "torch's foreach Adam"]),
+                                "flash attention, torch's cross-entropy, torch's kernels, shardwise's recompute, sp and "
+                                "ZeRO-2/3 gradients freed between steps, torch's foreach Adam"]),
                               ("mpt 70b a100 seq 2048 fsdp64",
-                               ["published layout", "torch's cross-entropy, shardwise's recompute and sp, "
-                                                    "torch's foreach Adam"])):
+                               ["published layout", "torch's cross-entropy, shardwise's recompute, sp and ZeRO-0/1 "
+                                                    "gradient buffers, torch's foreach Adam"])):
         run = runs[name]
         pick = search(replace(run.spec, attention="flash", fused_loss=False), run.cluster, global_batch=run.global_batch,
                       seq_len=run.seq, top=1, dtypes=(2,))[0]

@@ -181,6 +181,65 @@ def test_backward_holds_few_whole_gradient_buckets(zero):
         assert after == 0
 
 
+def _with_a_dropped_backward(cases: list[tuple[int, bool]], drop: bool):
+    """Per case (zero, bf16 parameters): STEPS steps of the Gated model (its `extra` layer used
+    only by flagged samples), each preceded, when `drop`, by a backward of flagged samples under
+    no_sync that zero_grad() throws away; whole gradients and parameters after the steps, and
+    the gradient bytes held after each zero_grad()."""
+    from test_data_parallel import gated_batches, make_gated
+
+    out = []
+    for zero, bf16 in cases:
+        dtype = torch.bfloat16 if bf16 else None
+        pm = sw.parallelize(make_gated(), sw.ParallelConfig(zero=zero, param_dtype=dtype,
+                                                            reduce_dtype=torch.float32 if bf16 else None))
+        opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+        index, count = sw.data_parallel_info(pm)
+        held, grads = [], []
+        for batch in gated_batches(STEPS, 8):
+            batch = {k: v.to(dtype) if v.is_floating_point() and dtype else v for k, v in batch.items()}
+            mine = replica_slice(batch, index, count)
+            if drop:
+                with pm.no_sync():
+                    pm({**mine, "flag": torch.ones_like(mine["flag"])}).backward()
+                opt.zero_grad()
+            pm({**mine, "flag": torch.zeros_like(mine["flag"])}).backward()
+            grads.append({k: v.clone() for k, v in pm.full_grad_dict().items()})
+            opt.step()
+            opt.zero_grad()
+            held.append(pm.memory()["gradients"])
+        after = sorted(pm.full_grad_dict())  # none after zero_grad(), as on one process
+        out.append((grads, pm.full_state_dict(), held, sum(b.nbytes for b in pm.gradients.buckets), after))
+    return out
+
+
+def test_a_dropped_backward_leaves_no_trace_and_zero_grad_frees_the_shards():
+    """A user's habit: a backward accumulated under no_sync, then thrown away with zero_grad()
+    (a bad batch, a skipped step). Nothing of it may reach the next reduction: the gradients and
+    parameters after several steps equal, bit for bit, those of the same layout never shown it
+    (the same operations in the same order). Faults: the accumulation window kept across
+    zero_grad() adds the dropped gradients into cast (bf16 -> float32) buckets and gives the
+    layer only it used a gradient (zeros under ZeRO-2/3's kept shards, stale values otherwise)
+    where one process has None. And zero_grad() frees ZeRO-2/3's gradient shards, as FSDP does,
+    so none is held while the next forward and the loss's backward run (ZeRO-0/1 keep their
+    buffers, as DDP does; fault: the shards kept, 4 bytes an element over the replicas), and
+    full_grad_dict() then reports no gradient, as one process holds none (it read the buffers'
+    and shards' zeros)."""
+    cases = [(zero, bf16) for zero in (0, 1, 2, 3) for bf16 in (False, True)]
+    dropped = sw.testing.run_on_ranks(_with_a_dropped_backward, 2, cases, True)
+    clean = sw.testing.run_on_ranks(_with_a_dropped_backward, 2, cases, False)
+    for rank_dropped, rank_clean in zip(dropped, clean):
+        for (zero, bf16), (grads, final, held, buffers, after), (want_grads, want_final, *_) in zip(
+                cases, rank_dropped, rank_clean):
+            assert after == [], (zero, bf16, after)
+            assert [sorted(g) for g in grads] == [sorted(g) for g in want_grads], (zero, bf16)
+            assert all("extra.weight" not in g for g in grads), (zero, bf16)
+            for got, want in zip(grads, want_grads):
+                assert all(torch.equal(got[k], want[k]) for k in want), (zero, bf16)
+            assert all(torch.equal(final[k], want_final[k]) for k in want_final), (zero, bf16)
+            assert set(held) == ({0} if zero >= 2 else {buffers}), (zero, bf16, held, buffers)
+
+
 # -- mixed precision ----------------------------------------------------------------------
 def bf16_emulation(batches, replicas: int) -> Run:
     """One process computing what data-parallel bf16 training promises: each replica's

@@ -72,22 +72,24 @@ class Executor(NamedTuple):
     recomputes attention's core and keeps the shards as without it). `zero3_cast_shard`: ZeRO-3
     under mixed precision keeps a low-precision copy of its parameter shard beside the float32
     master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is
-    gathered (FSDP's, shardwise's). `grads_between_steps`: under dp the gradients' memory stays
-    allocated between steps (shardwise's buffers, Megatron-LM's main-gradient buffers, a
-    zero_grad that zeroes in place); torchtitan's FSDP2 and Composer's FSDP call
-    zero_grad(set_to_none=True), which frees them, so the first microbatch's loss backward runs
-    before any exists (measured on torchtitan's own step: bench/planner_torchtitan.py)."""
+    gathered (FSDP's, shardwise's). `grads_kept_below_zero`: under dp the gradients' memory stays
+    allocated between steps at ZeRO stages below this one: shardwise's stage 0/1 buckets (as DDP's),
+    Megatron-LM's main-gradient buffers and DeepSpeed's gradient partitions at every stage (4);
+    zero_grad(set_to_none=True) frees the rest (shardwise's ZeRO-2/3 shards, torchtitan's FSDP2,
+    Composer's FSDP: 0), so the first microbatch's loss backward runs before any exists
+    (measured on torchtitan's own step: bench/planner_torchtitan.py; shardwise's ZeRO-2 on a GPT whose
+    loss peaks, bench/planner.py's gpt-vocab on 4 ranks: its in-step peak fell by exactly the shard)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
     sp_gather_hidden: bool
     recompute_gathers: bool
     zero3_cast_shard: bool
-    grads_between_steps: bool = True
+    grads_kept_below_zero: int = 4
 
 
 SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
-                              recompute_gathers=True, zero3_cast_shard=False)
+                              recompute_gathers=True, zero3_cast_shard=False, grads_kept_below_zero=2)
 
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {
@@ -97,10 +99,10 @@ EXECUTORS = {
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward;
     # Composer's trainer calls zero_grad(set_to_none=True) before each batch
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
-                           recompute_gathers=True, zero3_cast_shard=False, grads_between_steps=False),
+                           recompute_gathers=True, zero3_cast_shard=False, grads_kept_below_zero=0),
     # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers, its
-    # gradients freed by zero_grad(set_to_none=True) between steps
-    "fsdp2": SHARDWISE_EXECUTOR._replace(grads_between_steps=False),
+    # gradients freed by zero_grad(set_to_none=True) between steps at every stage
+    "fsdp2": SHARDWISE_EXECUTOR._replace(grads_kept_below_zero=0),
 }
 
 

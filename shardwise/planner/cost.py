@@ -212,9 +212,10 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
     microbatch's saved activations: the gradients of the log-probabilities and of the logits,
     both alive beside the kept log-probabilities while the log-softmax's backward runs (each
     tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes
-    first in backward, before the parameters' gradients exist unless gradient buffers keep them
-    between steps (dp or cp reduce them into buffers the executor keeps, which FSDP2's zero_grad
-    frees) or an earlier microbatch's backward made them (`resident`); the planner counts `grads`
+    first in backward, before the parameters' gradients exist unless buffers keep them between
+    steps (dp or cp reduce them into buffers the executor keeps below ZeRO stage
+    `grads_kept_below_zero`: shardwise's 0/1; its 2/3 shards, as FSDP2's, zero_grad frees) or an
+    earlier microbatch's backward made them (`resident`); the planner counts `grads`
     (the rank's gradient bytes) in every case, so only the excess shows.
     Measured (bench/planner.py VOCAB_PEAKS): a GPT with a 16K vocabulary on 4 CPU ranks, dp (float32
     and bf16), tp and tp x dp within 0.4% of the in-step peak (45-67% low without it); Llama 3's 128K
@@ -371,7 +372,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     held_last = held_last + np.where(deferred, np.minimum(L.microbatches, L.pp) * layers_last / L.virtual
                                      * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
-    resident = ((shards > 1) & runs.grads_between_steps) | (L.microbatches > 1)
+    resident = ((shards > 1) & (L.zero < runs.grads_kept_below_zero)) | (L.microbatches > 1)
     # What a backward holds beyond the saved activations: the loss's transients first, then, while a
     # block's backward runs, what recompute brings back of it (all of it under full recompute) and
     # its own working memory (zero-bubble's deferred weight backwards keep theirs, charged above). By
@@ -386,12 +387,18 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
     in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
     after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last, 0.0))
+    # (before it: what backward holds besides the loss's transients, and with all of them)
+    working_last, working_first = held_last + after_head, held_first + np.where(L.pp == 1, after_head, in_block)
+    with_loss_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], True), after_head)
+    with_loss_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], True),
+                                                                  after_head), in_block)
     held_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], resident), after_head)
     held_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], resident),
                                                              after_head), in_block)
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)
+    working, with_loss = np.where(use_last, working_last, working_first), np.where(use_last, with_loss_last, with_loss_first)
     block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
     # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
@@ -436,6 +443,15 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     # ZeRO-3 gathers two blocks whole; casting a float32 master shard, each sends a cast copy of it
     gathers = 2 * block_bytes * (1 + np.where(master_is_shard, 1 / shards, 0.0))
     buffers = np.where(L.zero == 3, gathers, 0.0) + held + sent + weight_grads
+    # ZeRO-2/3 shards freed between steps (`resident` false) come back one bucket at a time as
+    # backward reduces, while it frees the activations: the step peaks at the loss (its transients
+    # beside every activation, no gradient yet), early in backward (the activations beside the
+    # bucket window) or at its end (every shard beside the window): charged grads + buffers +
+    # activations, the activations' term is what that leaves (without it, ZeRO-2/3 on a GPT whose
+    # parameters outweigh its activations read 10-15% over the in-step peak: bench.WIDE_PEAKS)
+    progressive = ~resident & (L.zero >= 2)
+    activations = np.where(progressive, np.maximum(np.maximum(with_loss - grads - held, working - grads), 0.0),
+                           activations)
     step = np.maximum(step_temporaries(spec, L, adam / optimizer_bytes, end_tensor) - activations - buffers, 0.0)
     return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first,
                    params_last + experts_last, first, last, act_first, act_last, layers_first, layers_last, bucket)

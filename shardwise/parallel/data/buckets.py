@@ -83,7 +83,8 @@ class Bucket:
 
     Storages: `buffer` = [gradients | padding | summary slots]: `views` are the parameters'
     slices of it, `summary` the `summary_slots` values (a `ReplicaSummary`) that ride in
-    the last bucket's collective; `shard` (ZeRO-2+: this rank's reduced gradients); and
+    the last bucket's collective; `shard` (ZeRO-2+: this rank's reduced gradients, from the
+    step's first reduction until zero_grad(set_to_none=True)); and
     under ZeRO the parameters' own storage laid out like the gradients, so a gradient shard
     and its parameter shard cover the same range: `param_buffer` (every parameter, flat;
     ZeRO-3 frees it between uses) and `param_shard` (ZeRO-3: this rank's part, the only
@@ -108,7 +109,8 @@ class Bucket:
         self.shard_start = (dist.get_rank(reduce.group) if self.sharded else 0) * self.shard_size
         self.summary_slots = summary_slots
         self.casts_grads = any(local(p).dtype != dtype for p in params)  # grads cast into the buffer
-        self.shard = None if zero.grad_buffer_kept else torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        self.separate_shard = not zero.grad_buffer_kept
+        self.shard: torch.Tensor | None = None  # made by the first reduction after the gradients were dropped
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.summary = torch.empty(0)
@@ -138,10 +140,22 @@ class Bucket:
         for param in self.params:
             param.grad = None
 
+    def drop_grads(self) -> None:
+        """zero_grad(set_to_none=True): forget this step's gradients and, where the shard is separate
+        (ZeRO-2/3), free it and the whole-gradient buffer, as FSDP frees its sharded gradients: the
+        next step's first reduction makes a new shard, so neither is held while the forward and the
+        loss's backward run."""
+        if self.separate_shard:
+            self.release()
+            self.shard = None
+        self.shard_factor, self.incoming = None, None
+
     def reduced_into(self) -> torch.Tensor:
         """Where this reduction's shard goes: the shard itself, or beside it when the shard
         already holds an earlier microbatch's (`settle` adds it in once it has arrived)."""
         if self.shard_factor is None:
+            if self.separate_shard and self.shard is None:  # the reduction writes all of it
+                self.shard = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
             return self.grad_shard
         self.incoming = torch.empty_like(self.grad_shard)
         return self.incoming
@@ -165,10 +179,13 @@ class Bucket:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        """This rank's reduced shard (ZeRO): in the buffer for stage 1, separate for 2+."""
-        if self.shard is not None:
-            return self.shard
-        return self.buffer[self.shard_start: self.shard_start + self.shard_size]
+        """This rank's reduced shard (ZeRO): in the buffer for stage 1, separate for 2+ (zeros
+        until a reduction lands in it)."""
+        if not self.separate_shard:
+            return self.buffer[self.shard_start: self.shard_start + self.shard_size]
+        if self.shard is None:
+            self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+        return self.shard
 
     @property
     def nbytes(self) -> int:

@@ -339,16 +339,24 @@ class GradientBuckets:
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """Parameter id -> its whole reduced gradient (local shard of a DTensor), gathered from
-        the ZeRO shards; collective over each bucket's group. Unused parameters are absent."""
+        the ZeRO shards; collective over each bucket's group (where a reduction ran since the
+        gradients were set to None: the same on every rank). Parameters without a gradient, as
+        one process would see them, are absent: unused ones, and all after zero_grad(set_to_none=True)
+        but what a backward accumulated since (whole, in the buffer, not yet reduced)."""
         grads = {}
         for bucket in self.buckets:
-            if bucket.sharded:
+            in_buffer = not (bucket.sharded and self.has_grads)  # whole, as this rank holds it
+            if not in_buffer:
                 full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 all_gather_single(full, bucket.grad_shard, group=bucket.reduce.group)
-            else:
+            elif bucket.buffer is not None:
                 full = bucket.grads
+            else:
+                continue
             for param, offset, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes, bucket.shapes):
-                if id(param) not in self.unused:
+                reduced = self.has_grads and id(param) not in self.unused
+                accumulated = in_buffer and self._used[self._index[param]]
+                if reduced or accumulated:
                     grads[id(param)] = full[offset: offset + size].view(shape)
         return grads
 
@@ -383,11 +391,20 @@ class GradientBuckets:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as `torch.optim.Optimizer.zero_grad` does.
 
-        With `set_to_none` (the default) each `.grad` becomes None and the next backward's
-        gradient is moved into its bucket once; otherwise buckets are zeroed in place.
+        With `set_to_none` (the default) each `.grad` becomes None and what was accumulated
+        since the last synchronization is discarded (a backward under `no_sync` that the user
+        drops must not reach the next reduction), ZeRO-2/3's shards and buffers are freed, and
+        the next backward's gradient is moved into its bucket once; otherwise buckets and shards
+        are zeroed in place.
         """
+        for bucket in self.buckets:  # a reduction launched and not yet waited for lands first
+            if bucket.work is not None:
+                self._complete(bucket)
         if set_to_none:
             self.has_grads = False
+            self._reset_window()
+            for bucket in self.buckets:
+                bucket.drop_grads()
         for param in self.params:
             if set_to_none:
                 param.grad = None
@@ -397,6 +414,8 @@ class GradientBuckets:
             for bucket in self.buckets:
                 if bucket.buffer is not None:
                     bucket.buffer.zero_()
+                if bucket.shard is not None:
+                    bucket.shard.zero_()
                 for param, view in zip(bucket.params, bucket.views):
                     if not bucket.casts_grads and not bucket.sharded:
                         param.grad = as_grad(param, view)

@@ -8,7 +8,8 @@ tensor. Its state therefore exists only for this rank's shard; element-wise opti
 (SGD, Adam, AdamW, Adagrad, ...) compute exactly what they compute on whole tensors.
 After a step the updated shards are all-gathered in place (same bytes as the all-reduce
 they replace: ZeRO-1 communicates what plain data parallelism does). Stage 2 also keeps
-only the gradient shard between steps (see `Bucket`); stage 3 adds `zero3.py`.
+only the gradient shard, from a step's first reduction to zero_grad(set_to_none=True) (see
+`Bucket`); stage 3 adds `zero3.py`.
 
 With `config.param_dtype` (mixed precision) the pieces are float32 master copies and each
 step writes them back, cast, into the model; without it they are views into the model's
