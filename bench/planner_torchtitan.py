@@ -18,7 +18,8 @@ On CPU, SDPA runs `_scaled_dot_product_flash_attention_for_cpu`, which the polic
 Printed per rank: the model states at a step's start (counted tensor by tensor), the most the
 step adds at any moment (bench/planner.py's allocation peak, from the profiler's allocation
 events), their sum, against the planner under the "fsdp2" executor (gradients freed between
-steps) and under shardwise's (whose gradient buffers live between steps).
+steps) and under shardwise's (the same at ZeRO-3, whose shards zero_grad frees too; its ZeRO-0/1
+buckets live between steps).
 """
 
 from __future__ import annotations
