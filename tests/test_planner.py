@@ -348,14 +348,14 @@ def test_zero_grad_frees_gradients_between_steps():
     none exists when the loss's backward runs, first in a step's backward; shardwise's ZeRO-0/1
     buckets stay, as DDP's do. Where the logits' float32 gradients outweigh a block's backward
     (Llama 3 8B at 2 x 8K tokens a rank) that is the step's peak. So under ZeRO-3 shardwise's
-    prediction equals Cluster(executor="fsdp2")'s, and under ZeRO-1 it is the rank's gradient
-    the loss's transients above the fsdp2 executor's (they fit in the space the kept float32
-    gradients take); the time is the same.
-    On one rank nothing reduces into buffers, so both agree. bench/planner_torchtitan.py measured
-    torchtitan's own step on CPU ranks: within 0.7% under "fsdp2" (10.8% over with the gradients
-    kept, before the executor freed them); test_zero.py checks shardwise's ZeRO-2/3 hold none after zero_grad. Faults: the field
-    ignored makes the ZeRO-1 predictions equal; shardwise charged as keeping its ZeRO-3 shards
-    puts them 4 B x parameters / 8 apart."""
+    prediction equals Cluster(executor="fsdp2")'s, and under ZeRO-1 it is the loss's transients
+    above the fsdp2 executor's (they fit in the space the kept float32 gradients take); the time
+    is the same. On one rank nothing reduces into buffers, so both agree.
+    bench/planner_torchtitan.py measured torchtitan's own step on CPU ranks: within 0.7% under
+    "fsdp2" (10.8% over with the gradients kept, before the executor freed them); test_zero.py
+    checks that shardwise's ZeRO-2/3 hold none after zero_grad. Faults: the field ignored makes
+    the ZeRO-1 predictions equal; shardwise charged as keeping its ZeRO-3 shards puts them
+    4 B x parameters / 8 apart."""
     spec = model_spec("llama3-8b")
     cases = {}
     for zero in (1, 3):
