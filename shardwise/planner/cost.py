@@ -387,18 +387,17 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
     in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
     after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last, 0.0))
-    # (before it: what backward holds besides the loss's transients, and with all of them)
-    working_last, working_first = held_last + after_head, held_first + np.where(L.pp == 1, after_head, in_block)
-    with_loss_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], True), after_head)
-    with_loss_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], True),
-                                                                  after_head), in_block)
-    held_last = held_last + np.maximum(loss_backward_bytes(spec, L, tokens, last[1], resident), after_head)
-    held_first = held_first + np.where(L.pp == 1, np.maximum(loss_backward_bytes(spec, L, tokens, first[1], resident),
-                                                             after_head), in_block)
+    def in_backward(loss):  # (first, last) ranks' bytes beyond the saved activations, `loss` charging the loss's transients
+        return (held_first + np.where(L.pp == 1, np.maximum(loss(first[1]), after_head), in_block),
+                held_last + np.maximum(loss(last[1]), after_head))
+
+    working = in_backward(lambda grads: 0.0)  # what a backward holds beside them, and with all of them
+    with_loss = in_backward(lambda grads: loss_backward_bytes(spec, L, tokens, grads, True))
+    held_first, held_last = in_backward(lambda grads: loss_backward_bytes(spec, L, tokens, grads, resident))
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)
-    working, with_loss = np.where(use_last, working_last, working_first), np.where(use_last, with_loss_last, with_loss_first)
+    working, with_loss = (np.where(use_last, b, a) for a, b in (working, with_loss))
     block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
     # IN_FLIGHT reduce-scatters launched last and the one filling; ZeRO-3's a unit's each), at most
