@@ -237,9 +237,8 @@ def module_scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
 def sgd_bounds(ref: Run, lr: float, momentum: float) -> dict[str, float]:
     steps = len(ref.grads)
     coefficients = [(1 - momentum ** (steps - k)) / (1 - momentum) for k in range(steps)]
-    bounds = {}
+    bounds, scales = {}, ref.scales
     for key, initial in ref.initial.items():
-        scales = ref.scales
         drift = sum(c * scales[k].get(ref.parameter_of.get(key, key), 0.0) for k, c in enumerate(coefficients))
         bounds[key] = 2 * EPS_GRAD * lr * drift + 4 * U * steps * max(_inf(initial), _inf(ref.final[key]))
     return bounds
