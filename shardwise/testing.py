@@ -14,6 +14,7 @@ did not exit within 10 seconds.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
@@ -32,11 +33,14 @@ from .errors import RankFailedError
 
 _PRELOAD = ["__main__", "torch", "torch.distributed", "shardwise"]
 # Heavy libraries the caller already uses are imported once, in the forkserver, not in every
-# worker (Hugging Face's model code costs about a second and a half of CPU per process). Only
-# where CUDA is not available: torchao asks torch.cuda.is_available() as it is imported, which
-# starts the CUDA driver in the forkserver, and a process forked after that cannot use CUDA.
-# (Asking it here is harmless: the forkserver is a fresh interpreter, not a fork of this one.)
-_PRELOAD_WHEN_IMPORTED = re.compile(r"transformers(\.models\.\w+\.modeling_\w+)?|torchao\.float8")
+# worker: Hugging Face's model code costs about a second and a half of CPU per process, pytest
+# (which a test module that defines the function imports) and torch's compiler stack (compile,
+# float8) about half a second each. Only where CUDA is not available: torchao asks
+# torch.cuda.is_available() as it is imported, which starts the CUDA driver in the forkserver,
+# and a process forked after that cannot use CUDA. (Asking it here is harmless: the forkserver
+# is a fresh interpreter, not a fork of this one.)
+_PRELOAD_WHEN_IMPORTED = re.compile(r"transformers(\.models\.\w+\.modeling_\w+)?|torchao\.float8|pytest"
+                                    r"|torch\._dynamo|torch\._functorch\.aot_autograd|torch\._inductor\.codegen\.triton")
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -53,6 +57,10 @@ def _worker(rank, world_size, port, backend, collective_timeout, threads, call, 
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
+    # What the forkserver preloaded (torch, transformers: millions of objects) lives as long as
+    # the worker: out of the cyclic collector's sight, each full collection (the interpreter's own,
+    # or shardwise.activation_memory's) walks only what the function made.
+    gc.freeze()
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     try:
         if "nccl" in backend:

@@ -2,6 +2,7 @@
 `run_on_ranks` does: summation order inside a kernel then does not depend on the machine's
 core count, on either side of a parity comparison."""
 
+import gc
 import importlib
 
 import torch
@@ -16,3 +17,18 @@ HUGGING_FACE_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "bert", "mixtral",
                          "deepseek_v3")
 for family in HUGGING_FACE_FAMILIES:
     importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+# The compiler stack the compile and float8 tests reach (torch.compile's AOT autograd; torchao's
+# float8 patches inductor's code generation): preloaded the same way, about half a second a rank.
+for module in ("torch._functorch.aot_autograd", "torch._inductor.codegen.triton"):
+    importlib.import_module(module)
+
+# Everything imported so far lives as long as the session: out of the cyclic collector's sight,
+# each full collection (the interpreter's own, activation_memory's) walks only what tests make.
+gc.freeze()
+
+
+def pytest_unconfigure(config):
+    """Hand the frozen objects back before the interpreter's shutdown, which then frees them as
+    it would have (extension modules check at exit that their objects were)."""
+    gc.unfreeze()
