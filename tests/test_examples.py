@@ -1,7 +1,8 @@
-"""The fine-tuning recipe runs as a user runs it: four torchrun-style processes, a few steps,
-a second launch that resumes from its checkpoint, metrics a reader parses, and a final
-directory transformers loads. The unbroken run they must equal runs on run_on_ranks' workers
-(the same four processes' worth of work, without four interpreter starts)."""
+"""The fine-tuning recipe runs as a user runs it: a few steps, then a launch of four
+torchrun-style processes that resumes from its checkpoint, metrics a reader parses, and a final
+directory transformers loads. The first launch and the unbroken run the two must equal run on
+run_on_ranks' workers (the same four processes' worth of work, without four interpreter starts
+each: about 10 s of the suite's time a launch)."""
 
 from __future__ import annotations
 
@@ -38,16 +39,15 @@ def _recipe(arguments: list[str]) -> None:
     runpy.run_path(str(RECIPE), run_name="__main__")
 
 
-def _run_in_workers(out: Path) -> None:
-    """The same recipe on run_on_ranks' four workers (no interpreter start each): the unbroken
-    run the launched ones are compared with."""
-    sw.testing.run_on_ranks(_recipe, 4, _arguments(out), timeout=300)
+def _run_in_workers(out: Path, *more: str) -> None:
+    """The same recipe on run_on_ranks' four workers (no interpreter start each)."""
+    sw.testing.run_on_ranks(_recipe, 4, _arguments(out, *more), timeout=300)
 
 
 def test_finetune_recipe_trains_resumes_and_exports(tmp_path):
     out, straight = tmp_path / "run", tmp_path / "straight"
-    _run(out, "--stop-at", "3")  # preempted after step 3 (a checkpoint there, between the periodic ones)
-    _run(out)  # resumes at step 3
+    _run_in_workers(out, "--stop-at", "3")  # preempted after step 3 (a checkpoint there, between the periodic ones)
+    _run(out)  # resumes at step 3, in fresh interpreters
     _run_in_workers(straight)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     unbroken = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
