@@ -16,10 +16,21 @@ import torch.distributed as dist
 import shardwise as sw
 
 
+def _tensors(rank: int) -> dict[str, torch.Tensor]:
+    """Tensors results carry, of every kind run_on_ranks writes as bytes (and a Parameter, which it
+    leaves to torch): dtypes, a transposed view, an empty and a 0-d tensor, a leaf that requires grad."""
+    torch.manual_seed(rank)
+    return {"bf16": torch.randn(3, 5).bfloat16(), "transposed": torch.arange(6).reshape(2, 3).t(),
+            "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5 + rank), "mask": torch.rand(7) > 0.5,
+            "leaf": torch.randn(4, requires_grad=True), "parameter": torch.nn.Parameter(torch.randn(2))}
+
+
 def _sum_of_ranks(scale):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "env": os.environ["RANK"], "sum": float(t) * scale, "tensor": t}
+    tensors = _tensors(dist.get_rank())
+    return {"rank": dist.get_rank(), "env": os.environ["RANK"], "sum": float(t) * scale, "tensor": t,
+            "tensors": tensors, "again": tensors["bf16"]}
 
 
 def _raise_on_rank_one():
@@ -54,6 +65,12 @@ def test_results_come_back_in_rank_order():
     assert [r["env"] for r in results] == ["0", "1", "2"]
     assert all(r["sum"] == 6.0 for r in results)
     assert isinstance(results[0]["tensor"], torch.Tensor)
+    for rank, result in enumerate(results):  # every tensor as the rank had it; one object sent twice stays one
+        for name, want in _tensors(rank).items():
+            got = result["tensors"][name]
+            assert type(got) is type(want) and got.dtype == want.dtype and got.requires_grad == want.requires_grad, name
+            assert got.shape == want.shape and torch.equal(got.detach(), want.detach()), name
+        assert result["again"] is result["tensors"]["bf16"]
 
 
 def test_workers_start_with_the_preloaded_modules_frozen():
