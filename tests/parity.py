@@ -131,6 +131,7 @@ class Run:
     final: dict[str, torch.Tensor] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
     parameter_of: dict[str, str] = field(default_factory=dict)  # state key -> parameter name (tied: the first)
+    bounds: dict[tuple, dict] = field(default_factory=dict, repr=False)  # a reference's parameter bounds, per optimizer
 
     @property
     def scales(self) -> list[dict[str, float]]:
@@ -235,6 +236,12 @@ def module_scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def sgd_bounds(ref: Run, lr: float, momentum: float) -> dict[str, float]:
+    if ("sgd", lr, momentum) not in ref.bounds:  # one reference is judged against every rank's run
+        ref.bounds["sgd", lr, momentum] = _sgd_bounds(ref, lr, momentum)
+    return ref.bounds["sgd", lr, momentum]
+
+
+def _sgd_bounds(ref: Run, lr: float, momentum: float) -> dict[str, float]:
     steps = len(ref.grads)
     coefficients = [(1 - momentum ** (steps - k)) / (1 - momentum) for k in range(steps)]
     bounds, scales = {}, ref.scales
@@ -245,6 +252,13 @@ def sgd_bounds(ref: Run, lr: float, momentum: float) -> dict[str, float]:
 
 
 def adamw_bounds(ref: Run, lr: float, betas=(0.9, 0.999), eps: float = 1e-8) -> dict[str, torch.Tensor]:
+    key = ("adamw", lr, tuple(betas), eps)
+    if key not in ref.bounds:
+        ref.bounds[key] = _adamw_bounds(ref, lr, betas, eps)
+    return ref.bounds[key]
+
+
+def _adamw_bounds(ref: Run, lr: float, betas, eps: float) -> dict[str, torch.Tensor]:
     steps = len(ref.grads)
     scales = ref.scales
     bounds = {}
