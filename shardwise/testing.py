@@ -117,7 +117,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` local ranks and return their results.
 
-    `fn` must be importable by name (defined at module level) and its results picklable.
+    `fn` must be importable by name (defined at module level) and its results picklable;
+    tensors in them (and in the arguments) arrive as copies, two that shared storage no longer do.
     Each worker has torch.distributed initialized (`backend`, default gloo) with
     RANK/WORLD_SIZE/LOCAL_RANK set as torchrun would, so `sw.init_distributed()` is a no-op.
     Collectives time out after `collective_timeout` seconds (default: min(timeout, 120));
