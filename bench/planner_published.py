@@ -45,7 +45,7 @@ from shardwise.planner.format import TIME_LABELS
 from shardwise.planner.model import ModelSpec
 from shardwise.planner.search import Candidate, _factorizations, _inner_grid, recompute_codes, search
 
-from published_runs import GIB, MEGATRON_EXECUTOR, Run, corpus, predict
+from published_runs import GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
 
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 
@@ -111,6 +111,33 @@ def print_alternatives(runs: list[Run], times: dict[str, tuple[float, float]]) -
               f"({predicted / published - 1:+.1%})")
     print(f"  the planner orders {agree} of {len(pairs)} as published; the ratio is off by a median "
           f"{statistics.median(misses):.1%}, at most {max(misses):.1%}")
+
+
+LAYER_RUN = "korthikanti 22B full recompute"  # Table 4's layout
+
+
+def layer_times(base: Run, cluster: Cluster | None = None) -> list[tuple[str | None, bool, float, float]]:
+    """Korthikanti's Table 4 (one 22B layer, forward + backward, by recompute and sp) against the
+    planner: (recompute, sp, published ms, predicted ms). A layer's predicted time is the step's
+    growth per added layer, less the optimizer step's (the head and the loss cancel)."""
+    rows, half = [], base.spec.layers // 2
+    for (recompute, sp), published in KORTHIKANTI_LAYER_MS.items():
+        config = dict(base.config, recompute=recompute, sequence_parallel=sp)
+        terms = [predict(replace(base, spec=replace(base.spec, layers=layers), config=config), cluster).time_terms
+                 for layers in (half, base.spec.layers)]
+        steps = [sum(t.values()) - t["optimizer_step"] for t in terms]
+        rows.append((recompute, sp, published, (steps[1] - steps[0]) / (base.spec.layers - half) * 1e3))
+    return rows
+
+
+def print_layer_times(runs: list[Run]) -> None:
+    print("one layer of Korthikanti's 22B (tp8, a microbatch of 4 x 2048; Table 4), forward + backward:")
+    errors = []
+    for recompute, sp, published, predicted in layer_times(next(r for r in runs if r.name == LAYER_RUN)):
+        errors.append(predicted / published - 1)
+        print(f"  recompute {recompute or 'none':<9} sp {'yes' if sp else 'no ':<3}  published {published:5.1f} ms, "
+              f"predicted {predicted:5.1f} ms ({errors[-1]:+.1%})")
+    print(f"  median |error| {statistics.median(abs(e) for e in errors):.1%}, max {max(abs(e) for e in errors):.1%}")
 
 
 def largest_matmul(spec: ModelSpec, tp: int) -> float:
@@ -239,37 +266,44 @@ def _walk_line(steps: list[tuple[str, Candidate]]) -> str:
     return "; ".join(parts)
 
 
-def _calibration_error(runs: list[Run], fused: float, **device) -> float:
+def _calibration_error(runs: list[Run], fused: float, layer_base: Run | None = None, **device) -> float:
     """Root-mean-square log error of the runs' predicted step times with `device` overrides
-    (`fused`: the elementwise traffic of runs whose executor sets its own, Megatron-LM's)."""
+    (`fused`: the elementwise traffic of runs whose executor sets its own, Megatron-LM's), and of
+    Table 4's layer times on `layer_base` (a Megatron-LM run) where given."""
     logs = []
     for r in runs:
         overrides = dict(device, elementwise=fused) if "elementwise" in (r.executor or {}) else device
         got = predict(r, replace(r.executed_on, **overrides))
         logs.append(np.log(got.step_seconds / r.step_seconds(got.model_flops)) ** 2)
+    if layer_base is not None:
+        logs.extend(np.log(predicted / published) ** 2 for *_, published, predicted
+                    in layer_times(layer_base, replace(layer_base.executed_on, **dict(device, elementwise=fused))))
     return float(np.sqrt(np.mean(logs)))
 
 
-def _best_efficiency(runs: list[Run], fused: float, **device) -> tuple[float, float]:
-    """(gemm_efficiency, rms log error) that fit `runs` best with the other `device` overrides:
-    a golden-section search."""
+def _best_efficiency(runs: list[Run], fused: float, layer_base: Run | None = None, **device) -> tuple[float, float]:
+    """(gemm_efficiency, rms log error) that fit `runs` (and Table 4's layers on `layer_base`)
+    best with the other `device` overrides: a golden-section search."""
     lo, hi = 0.3, 1.0
     for _ in range(25):
         a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-        if (_calibration_error(runs, fused, gemm_efficiency=a, **device)
-                < _calibration_error(runs, fused, gemm_efficiency=b, **device)):
+        if (_calibration_error(runs, fused, layer_base, gemm_efficiency=a, **device)
+                < _calibration_error(runs, fused, layer_base, gemm_efficiency=b, **device)):
             hi = b
         else:
             lo = a
     efficiency = (lo + hi) / 2
-    return efficiency, _calibration_error(runs, fused, gemm_efficiency=efficiency, **device)
+    return efficiency, _calibration_error(runs, fused, layer_base, gemm_efficiency=efficiency, **device)
 
 
 def fit(runs: list[Run]) -> tuple[float, float, float, dict[str, float], float]:
     """(elementwise, Megatron-LM's elementwise, matmul_overhead, gemm_efficiency per device, rms
     log error) that fit the calibration part best: a grid over the three shared numbers, each
-    device's efficiency its best."""
+    device's efficiency its best. Korthikanti's Table 4 (five layer times of Megatron-LM on
+    A100s) calibrates with the A100's runs: it alone separates sp's and recompute's terms."""
     devices = sorted({r.cluster.device for r in runs if r.calibrate})
+    layer_base = next(r for r in runs if r.name == LAYER_RUN)
+    points = sum(r.calibrate for r in runs) + len(KORTHIKANTI_LAYER_MS)
     best = None
     for elementwise in (16.0, 32.0, 48.0, 64.0):
         for fused in (8.0, 16.0, 24.0, 32.0, 48.0):
@@ -277,10 +311,11 @@ def fit(runs: list[Run]) -> tuple[float, float, float, dict[str, float], float]:
                 efficiencies, squares = {}, 0.0
                 for device in devices:
                     chosen = [r for r in runs if r.calibrate and r.cluster.device == device]
-                    efficiencies[device], error = _best_efficiency(chosen, fused, elementwise=elementwise,
+                    layers = layer_base if device == layer_base.cluster.device else None
+                    efficiencies[device], error = _best_efficiency(chosen, fused, layers, elementwise=elementwise,
                                                                    matmul_overhead=overhead)
-                    squares += error ** 2 * len(chosen)
-                error = float(np.sqrt(squares / sum(r.calibrate for r in runs)))
+                    squares += error ** 2 * (len(chosen) + (len(KORTHIKANTI_LAYER_MS) if layers else 0))
+                error = float(np.sqrt(squares / points))
                 if best is None or error < best[-1]:
                     best = (elementwise, fused, overhead, efficiencies, error)
     return best
@@ -338,6 +373,7 @@ def main() -> None:
     if memory_errors:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
     print_alternatives(runs, times)
+    print_layer_times(runs)
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
     for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees"),
                              faster):

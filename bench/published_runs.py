@@ -28,7 +28,8 @@ SOURCES = {
     "megatron-t2": "Narayanan et al., SC21 (arXiv 2104.04473), Table 2: ZeRO-3 without model parallelism vs PTD-P, "
                    "175B and 530B GPT; step as Table 1",
     "korthikanti": "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5: end-to-end iteration time, "
-                   "full recompute vs sequence parallel + selective recompute, A100 80 GB",
+                   "full recompute vs sequence parallel + selective recompute, A100 80 GB (layouts: Table 3, "
+                   "interleaving: Section 6); Table 4: one 22B layer's forward + backward",
     "llama3": "Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 405B on H100, BF16 TFLOP/s per GPU; "
               "step = the planner's model FLOPs (6N + causal attention) / (GPUs x TFLOP/s)",
     "llm-foundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7): MPT 125M-70B with "
@@ -47,6 +48,13 @@ FSDP_BUCKET_MB = 4096.0
 # (`--fit`), on its runs of the calibration part. Its recompute and sequence parallelism run as
 # `Cluster(executor="megatron")` describes (planner/cluster.py's EXECUTORS).
 MEGATRON_EXECUTOR = dict(elementwise=24.0, executor="megatron")
+
+
+# Korthikanti et al. 2022, Table 4: one transformer layer of the 22B (its Table 3 layout: tp8, a microbatch of 4
+# sequences of 2048), forward + backward in ms, by (recompute, sequence parallel): a per-layer test of the
+# recompute and sp terms that the end-to-end rows mix with everything else.
+KORTHIKANTI_LAYER_MS = {(None, False): 19.6, (None, True): 19.0, ("full", False): 27.2,
+                        ("selective", False): 20.9, ("selective", True): 20.3}
 
 
 def megatron_gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
@@ -145,17 +153,21 @@ def corpus() -> list[Run]:
                         spec, a100(gpus), 2048, batch,
                         dict(dp=dp, tp=8, pp=pp, recompute="full", microbatches=batch // dp), 1,
                         tflops=tflops, notes="1F1B assumed", executor=MEGATRON_EXECUTOR))
-    # Korthikanti et al.: tp8, dp 1; full recompute vs sp + selective (one sequence a microbatch assumed).
-    for b, heads, hidden, layers, pp, gpus, batch, full, present in (
-            (22, 64, 6144, 48, 1, 8, 4, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 18.13, 13.75),
-            (530, 128, 20480, 105, 35, 280, 280, 49.05, 37.83), (1000, 160, 25600, 128, 64, 512, 512, 94.42, 71.49)):
+    # Korthikanti et al.: tp8, dp 1; full recompute vs sp + selective. Table 3 gives the microbatch sizes (the 22B
+    # runs its batch of 4 as one microbatch, the others one sequence a microbatch); Section 6: "the interleaving
+    # schedule with three interleaving stages" for 175B and 530B (1T's is plain 1F1B, as the text implies).
+    for b, heads, hidden, layers, pp, gpus, batch, micro, virtual, full, present in (
+            (22, 64, 6144, 48, 1, 8, 4, 4, 1, 1.42, 1.10), (175, 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75),
+            (530, 128, 20480, 105, 35, 280, 280, 1, 3, 49.05, 37.83),
+            (1000, 160, 25600, 128, 64, 512, 512, 1, 1, 94.42, 71.49)):
         spec = megatron_gpt(b, heads, hidden, layers)
+        schedule = dict(schedule="interleaved-1f1b") if virtual > 1 else {}
         for label, step, extra in (("full recompute", full, dict(recompute="full")),
                                    ("sp + selective", present, dict(recompute="selective", sequence_parallel=True))):
             runs.append(Run(f"korthikanti {b}B {label}", "korthikanti", f"{b}B {label}", spec, a100(gpus), 2048, batch,
-                            dict(dp=1, tp=8, pp=pp, microbatches=batch, **extra), 1,
-                            published_step=step, executor=MEGATRON_EXECUTOR,
-                            notes="one sequence a microbatch, 1F1B assumed"))
+                            dict(dp=1, tp=8, pp=pp, microbatches=batch // micro, **schedule, **extra), micro,
+                            published_step=step, executor=MEGATRON_EXECUTOR, virtual=virtual,
+                            notes="1T's schedule 1F1B assumed" if b == 1000 else ""))
     # Llama 3 405B, Table 4. Meta ran FSDP that keeps parameters between forward and backward (ZeRO-2 here)
     # reducing gradients in float32, sequence parallel tp, no activation checkpointing at 8K; one sequence per
     # microbatch assumed.
