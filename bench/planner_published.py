@@ -16,10 +16,10 @@ the points each step gains and the time terms it moves.
 
 The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-scaling table,
 every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
-runs) fixes the planner's fitted numbers (shardwise/planner/cluster.py: each device's
-`gemm_efficiency`, the shared `matmul_overhead` and `elementwise`) and Megatron-LM's own
-elementwise traffic (its fused kernels: `MEGATRON_EXECUTOR`); the other 39 are held out and
-show how the model generalises to other sizes, layouts and executors. `--fit` prints the
+runs; and Korthikanti's Table 4, five times of one 22B layer) fixes the planner's fitted numbers
+(shardwise/planner/cluster.py: each device's `gemm_efficiency`, the shared `matmul_overhead` and
+`elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 39 runs
+are held out and show how the model generalises to other sizes, layouts and executors. `--fit` prints the
 numbers that fit the calibration part best. Megatron-LM's runs (2021-2022) wrote attention's
 scores to memory (`ModelSpec(attention="megatron")`); the search's own picks run as shardwise
 does, with torch's SDPA.
@@ -207,7 +207,8 @@ WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bu
 
 
 # what changes where a run's executor gives way to shardwise's (planner/cluster.py's EXECUTORS)
-OWN_EXECUTION = {"megatron": "shardwise's recompute, sp and ZeRO-2/3 gradients freed between steps",
+OWN_EXECUTION = {"megatron": "shardwise's recompute, sp, tp backward and ZeRO-2/3 gradients freed between steps",
+                 "megatron-2021": "shardwise's recompute, sp and ZeRO-2/3 gradients freed between steps",
                  "torch-1.13": "shardwise's recompute, sp and ZeRO-0/1 gradient buffers",
                  "fsdp2": "shardwise's ZeRO-0/1 gradient buffers"}
 

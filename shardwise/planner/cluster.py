@@ -48,10 +48,10 @@ class Device:
 # Link bandwidths are 80% of the link rate (NVLink per direction; the network's per-GPU NIC),
 # what nccl-tests' bus bandwidth reaches on large messages.
 DEVICES = {
-    "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.67, 80e-6),
-    "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.67, 80e-6),  # the H100's chip
-    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.80, 80e-6),
-    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.67, 80e-6),  # no published run: H100's
+    "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.66, 80e-6),
+    "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.66, 80e-6),  # the H100's chip
+    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.81, 80e-6),
+    "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.66, 80e-6),  # no published run: H100's
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
     "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
 }
@@ -78,7 +78,20 @@ class Executor(NamedTuple):
     zero_grad(set_to_none=True) frees the rest (shardwise's ZeRO-2/3 shards, torchtitan's FSDP2,
     Composer's FSDP: 0), so the first microbatch's loss backward runs before any exists
     (measured on torchtitan's own step: bench/planner_torchtitan.py; shardwise's ZeRO-2 on a GPT whose
-    loss peaks, bench/planner.py's gpt-vocab on 4 ranks: its in-step peak fell by exactly the shard)."""
+    loss peaks, bench/planner.py's gpt-vocab on 4 ranks: its in-step peak fell by exactly the shard).
+    `selective_reruns_attention_core`: selective recompute reruns attention's core (its two batched
+    matmuls, the scores' softmax and dropout) and nothing else, Megatron-LM's `--recompute-granularity
+    selective`, not the block's elementwise work (shardwise's keeps the matmuls' outputs and reruns the
+    rest). `tp_replicated_elementwise`: of the `elementwise` values a block moves per token and hidden
+    unit, those outside the tp regions, which every tp rank runs whole without sp (None: all of them,
+    as eager PyTorch's norms, residuals and casts; Megatron-LM's fused kernels: its two LayerNorms, a read
+    and a write each, and two bias-dropout-adds, two reads, a write and a one-byte mask each, 11; the
+    rest runs on the rank's tp shard). `tp_backward_beside_weight_grads`: tp's two backward
+    all-reduces (a column-parallel layer's input gradient) run beside its weight-gradient matmul,
+    charged OVERLAP_COST of their time (Megatron-LM's since 2022, "an optimization in the backward
+    pass where we overlap all-reduce communication with the linear weight's gradient computation";
+    shardwise's run before it). Korthikanti et al.'s Table 4 measured these on one 22B layer:
+    bench/planner_published.py sets the planner against it."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
@@ -86,16 +99,24 @@ class Executor(NamedTuple):
     recompute_gathers: bool
     zero3_cast_shard: bool
     grads_kept_below_zero: int = 4
+    selective_reruns_attention_core: bool = False
+    tp_replicated_elementwise: float | None = None
+    tp_backward_beside_weight_grads: bool = False
 
 
 SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
                               recompute_gathers=True, zero3_cast_shard=False, grads_kept_below_zero=2)
 
+MEGATRON_EXECUTOR = Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
+                             recompute_gathers=False, zero3_cast_shard=True, selective_reruns_attention_core=True,
+                             tp_replicated_elementwise=11.0, tp_backward_beside_weight_grads=True)
+
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {
     "shardwise": SHARDWISE_EXECUTOR,
-    "megatron": Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
-                         recompute_gathers=False, zero3_cast_shard=True),
+    "megatron": MEGATRON_EXECUTOR,
+    # Megatron-LM before its tp backward all-reduces ran beside the weight gradients (SC21's runs)
+    "megatron-2021": MEGATRON_EXECUTOR._replace(tp_backward_beside_weight_grads=False),
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward;
     # Composer's trainer calls zero_grad(set_to_none=True) before each batch
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,

@@ -7,7 +7,9 @@ A block is its projections, its MLP (or its experts: the tokens' slots spread ov
 rank's experts), causal attention (2·tokens·seq·h/tp FLOPs forward, at flash attention's
 rate; eager or Megatron's, the whole square's matmuls and its scores' traffic) and the
 memory-bound elementwise work around them (norms, residuals, activation functions, rotary:
-the device table's `elementwise` values per token and hidden unit). Backward is twice the forward.
+the device table's `elementwise` values per token and hidden unit; without sp, those outside the
+tp regions run whole on every tp rank: `Executor.tp_replicated_elementwise`). Backward is twice
+the forward.
 The busiest pipeline rank sets the pace: its blocks (as the stage balancer places them) and
 the head's matmul and cross-entropy on the last rank.
 
@@ -25,7 +27,8 @@ reduction overlaps the last microbatch's backward (ZeRO-1/2's all-gather of the 
 parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed. Selective recompute runs a block's
-elementwise work again and the matmuls whose outputs it does not keep (`rerun_matmul_seconds`);
+elementwise work again and the matmuls whose outputs it does not keep (`rerun_matmul_seconds`)
+(Megatron-LM's its attention core only: `attention_core`);
 full recompute the forward but its last matmul, where torch's checkpoint stops (other stacks:
 `Cluster.executor`). The optimizer step streams the rank's
 shard of parameters, gradients, moments and master weights through HBM: once for a fused
@@ -116,14 +119,13 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     seq_shard = np.where((L.sp == 1) | (tp == 1), tp, 1)  # elementwise work outside the tp regions
     time = matmul_seconds(cluster, tokens, (h + 2 * kv) / tp, h, nb) + matmul_seconds(cluster, tokens, h, h / tp, nb)
     per_unit = cluster.spec.elementwise
-    elementwise = per_unit * tokens * h * nb / seq_shard
-    if spec.attention != "flash":
-        # the two batched matmuls over the whole square (the mask does not skip work), and the scores'
-        # traffic, elementwise: selective recompute runs it again
-        attention = 2 * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)
-        elementwise = elementwise + score_traffic(spec.attention, nb) * tokens * seq_len * spec.heads / tp
-    else:
-        attention = ATTENTION * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)  # causal attention
+    # of the block's elementwise values per hidden unit, those outside the tp regions (norms, dropouts,
+    # residuals) run whole on every tp rank without sp; the rest on the rank's shard (Executor)
+    replicated = per_unit if cluster.runs.tp_replicated_elementwise is None else \
+        min(cluster.runs.tp_replicated_elementwise, per_unit)
+    elementwise = replicated * tokens * h * nb / seq_shard + (per_unit - replicated) * tokens * h * nb / tp
+    attention, _, scores = attention_core(spec, cluster, L, tokens, seq_len)
+    elementwise = elementwise + scores
     if spec.experts:
         # each token's top_k slots; without sp every tp rank computes all of them (experts stay whole)
         slots = tokens * spec.top_k / np.where(L.sp == 1, tp, 1)
@@ -138,6 +140,20 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
         elementwise = elementwise + MLP_ELEMENTWISE * per_unit * tokens * spec.ffn / tp * nb
     elementwise = elementwise / cluster.spec.hbm_bw
     return time + attention + elementwise, elementwise, time
+
+
+def attention_core(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
+    """(seconds a block's forward is charged for attention's two batched matmuls on one
+    microbatch, seconds its forward alone takes, bytes its scores move in memory). Flash
+    attention keeps no scores; causal, its forward runs at a matmul's rate, the charge is
+    ATTENTION of that for the whole step's work. Eager or Megatron's: the whole square's
+    matmuls (the mask skips no work) and each score's traffic (`score_traffic`)."""
+    h, tp, nb = spec.hidden, L.tp, L.param_bytes
+    if spec.attention == "flash":
+        forward = 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)
+        return ATTENTION * forward, forward, 0.0 * tokens
+    square = 2 * 2 * tokens * seq_len * h / tp / cluster.matmul_flops(nb)
+    return square, square, score_traffic(spec.attention, nb) * tokens * seq_len * spec.heads / tp
 
 
 def rerun_matmul_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, alternate: bool):
@@ -224,10 +240,14 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     runs = cluster.runs
     down = 0.0 if runs.full_reruns_last or not spec.weight_matmuls else \
         matmul_seconds(cluster, tokens, h, spec.weight_matmuls[-1][2] / L.tp, L.param_bytes)
+    if runs.selective_reruns_attention_core:
+        _, attention, scores = attention_core(spec, cluster, L, tokens, seq_len)
+        selective = attention + scores / cluster.spec.hbm_bw
+    else:
+        selective = elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, False)
     recompute = L.microbatches * busiest_blocks * np.select(
         [L.recompute == 2, L.recompute == 1, L.recompute == 3],
-        [block - down, elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, False),
-         elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, True)], 0.0)
+        [block - down, selective, elementwise + rerun_matmul_seconds(spec, cluster, L, tokens, True)], 0.0)
 
     act_bytes = tokens * h * L.param_bytes  # one (s/cp) x b x h activation
     # a block's tp collectives per microbatch, in all-reduces of one activation (an all-gather or a
@@ -235,12 +255,14 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     # backward (a column-parallel layer's input again, for its weight gradient, beside the
     # input-gradient matmul; under shardwise's recompute the recomputation's forward gathers them,
     # exposed); full recompute's forward again: shardwise's without the last reduction, and under
-    # sp its all-gathers replace backward's (tests/test_planner.py counts them)
+    # sp its all-gathers replace backward's (tests/test_planner.py counts them); Megatron-LM's two
+    # backward ones run beside the weight-gradient matmuls (Executor)
     sp = (L.sp == 1) & (L.tp > 1)
     full = L.recompute == 2
     beside = runs.sp_gather_hidden & ~(runs.recompute_gathers & (L.recompute != 0))
     regather = sp * np.where(beside, OVERLAP_COST, 1.0)
-    collectives = 4 + regather + np.where(runs.full_reruns_last, 2 * full, full * np.where(sp, 0.5, 1.0))
+    backward = 2 * (OVERLAP_COST if runs.tp_backward_beside_weight_grads else 1.0)
+    collectives = 2 + backward + regather + np.where(runs.full_reruns_last, 2 * full, full * np.where(sp, 0.5, 1.0))
     tp_comm = busiest_blocks * L.microbatches * collectives * all_reduce(cluster, L.tp, act_bytes, L.tp)
     kv_bytes = 2 * L.micro_batch * seq_len * (spec.kv_heads * h / spec.heads) * L.param_bytes / L.tp
     cp_comm = busiest_blocks * L.microbatches * 3 * ring(cluster, L.cp, kv_bytes, L.tp * L.cp)
