@@ -50,7 +50,7 @@ class Device:
 DEVICES = {
     "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.66, 80e-6),
     "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.66, 80e-6),  # the H100's chip
-    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.81, 80e-6),
+    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.79, 80e-6),
     "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.66, 80e-6),  # no published run: H100's
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
     "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
@@ -91,7 +91,10 @@ class Executor(NamedTuple):
     charged OVERLAP_COST of their time (Megatron-LM's since 2022, "an optimization in the backward
     pass where we overlap all-reduce communication with the linear weight's gradient computation";
     shardwise's run before it). Korthikanti et al.'s Table 4 measured these on one 22B layer:
-    bench/planner_published.py sets the planner against it."""
+    bench/planner_published.py sets the planner against it. `pp_scatter_gather`: without sp, a
+    pipeline boundary's activation, whole on every tp rank, crosses as each tp rank's 1/tp over
+    its own link and is all-gathered inside the tp group on the far side (Megatron-LM's since
+    SC21, Section 4.1; shardwise's and torch's pipelining send it whole from every tp rank)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
@@ -102,6 +105,7 @@ class Executor(NamedTuple):
     selective_reruns_attention_core: bool = False
     tp_replicated_elementwise: float | None = None
     tp_backward_beside_weight_grads: bool = False
+    pp_scatter_gather: bool = False
 
 
 SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
@@ -109,7 +113,8 @@ SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=
 
 MEGATRON_EXECUTOR = Executor(full_reruns_last=True, selective_reruns_partials=False, sp_gather_hidden=True,
                              recompute_gathers=False, zero3_cast_shard=True, selective_reruns_attention_core=True,
-                             tp_replicated_elementwise=11.0, tp_backward_beside_weight_grads=True)
+                             tp_replicated_elementwise=11.0, tp_backward_beside_weight_grads=True,
+                             pp_scatter_gather=True)
 
 # shardwise's own, and those of the published runs bench/planner_published.py sets the model against
 EXECUTORS = {

@@ -271,7 +271,12 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
         ep_comm = busiest_blocks * L.microbatches * 4 * ring(cluster, L.ep, slot_bytes, L.tp * L.cp * L.ep)
     else:
         ep_comm = np.zeros_like(tokens)
-    hop = cluster.latency(world) + boundary_bytes(spec, L, tokens) / cluster.bandwidth(world)  # stages are the outermost ranks
+    # stages are the outermost ranks; a scatter-gather p2p (Executor) sends each tp rank's 1/tp of an activation
+    # that is whole on every tp rank and all-gathers it inside the tp group on the far side
+    sent = boundary_bytes(spec, L, tokens)
+    whole = (L.sp == 0) & (L.tp > 1) & runs.pp_scatter_gather
+    hop = cluster.latency(world) + np.where(whole, sent / L.tp, sent) / cluster.bandwidth(world) \
+        + np.where(whole, ring(cluster, L.tp, sent, L.tp), 0.0)
     pp_comm = np.where(L.pp > 1, 2 * L.virtual * (L.microbatches + L.pp - 1) * hop, 0.0)
 
     pipelined = compute + recompute + tp_comm + cp_comm + ep_comm
