@@ -47,10 +47,10 @@ FSDP_BUCKET_MB = 4096.0
 # per token and hidden unit than eager PyTorch's ops (the device table's `elementwise`): fitted with the rest
 # (`--fit`), on its runs of the calibration part. Its recompute and sequence parallelism run as
 # `Cluster(executor="megatron")` describes (planner/cluster.py's EXECUTORS).
-MEGATRON_EXECUTOR = dict(elementwise=48.0, executor="megatron")
+MEGATRON_EXECUTOR = dict(elementwise=32.0, executor="megatron")
 # SC21's runs (Narayanan et al., 2021) predate the backward all-reduce beside the weight gradients that
 # Korthikanti et al. (2022) describe as their optimization: their tp collectives are all exposed (assumed: neither
-# paper dates it)
+# paper dates it); their gradients are all-reduced after the backward (Megatron-LM's --overlap-grad-reduce came later)
 MEGATRON_2021_EXECUTOR = dict(MEGATRON_EXECUTOR, executor="megatron-2021")
 
 

@@ -50,7 +50,7 @@ class Device:
 DEVICES = {
     "h100": Device("h100", 79.6 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 3.35e12, 0.66, 80e-6),
     "h200": Device("h200", 139.8 * GIB, 989e12, 360 * GB, 40 * GB, 67e12, 4.8e12, 0.66, 80e-6),  # the H100's chip
-    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.79, 80e-6),
+    "a100": Device("a100", 79.3 * GIB, 312e12, 240 * GB, 20 * GB, 19.5e12, 2.04e12, 0.78, 80e-6),
     "b200": Device("b200", 192 * GB, 2250e12, 720 * GB, 40 * GB, 80e12, 8e12, 0.66, 80e-6),  # no published run: H100's
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
     "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
@@ -94,7 +94,11 @@ class Executor(NamedTuple):
     bench/planner_published.py sets the planner against it. `pp_scatter_gather`: without sp, a
     pipeline boundary's activation, whole on every tp rank, crosses as each tp rank's 1/tp over
     its own link and is all-gathered inside the tp group on the far side (Megatron-LM's since
-    SC21, Section 4.1; shardwise's and torch's pipelining send it whole from every tp rank)."""
+    SC21, Section 4.1; shardwise's and torch's pipelining send it whole from every tp rank).
+    `dp_reduce_after_backward`: ZeRO 0-2's gradient reduction starts once the backward is done,
+    nothing beside it (Megatron-LM's before its --overlap-grad-reduce; Korthikanti et al. 2022:
+    "we do not use any overlapping of gradient all-reduces with back-propagation"); without it the
+    reduction runs beside the last microbatch's backward (shardwise's buckets, DDP's)."""
 
     full_reruns_last: bool
     selective_reruns_partials: bool
@@ -106,6 +110,7 @@ class Executor(NamedTuple):
     tp_replicated_elementwise: float | None = None
     tp_backward_beside_weight_grads: bool = False
     pp_scatter_gather: bool = False
+    dp_reduce_after_backward: bool = False
 
 
 SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
@@ -120,8 +125,9 @@ MEGATRON_EXECUTOR = Executor(full_reruns_last=True, selective_reruns_partials=Fa
 EXECUTORS = {
     "shardwise": SHARDWISE_EXECUTOR,
     "megatron": MEGATRON_EXECUTOR,
-    # Megatron-LM before its tp backward all-reduces ran beside the weight gradients (SC21's runs)
-    "megatron-2021": MEGATRON_EXECUTOR._replace(tp_backward_beside_weight_grads=False),
+    # Megatron-LM before its tp backward all-reduces ran beside the weight gradients (SC21's runs), its
+    # gradients all-reduced after the backward
+    "megatron-2021": MEGATRON_EXECUTOR._replace(tp_backward_beside_weight_grads=False, dp_reduce_after_backward=True),
     # llm-foundry's MPT benchmarks: Composer's FSDP on torch 1.13, whose checkpoint reran the whole forward;
     # Composer's trainer calls zero_grad(set_to_none=True) before each batch
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,

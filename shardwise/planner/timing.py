@@ -307,7 +307,8 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     zero3 = L.microbatches * (busiest_blocks * exposed3 + 2 * gather) + np.where(L.pp > 1, _overlapped(reduce, last_backward),
                                                                                  0.0)
     reductions = np.where((L.zero == 2) & (L.pp == 1), L.microbatches, 1)
-    dp_comm = np.where(L.zero == 3, zero3, reductions * _overlapped(reduce, last_backward) + gather_after_step)
+    exposed = reduce if runs.dp_reduce_after_backward else _overlapped(reduce, last_backward)
+    dp_comm = np.where(L.zero == 3, zero3, reductions * exposed + gather_after_step)
 
     optimizer_step = rank_params / np.where(L.zero >= 1, shards, 1) * optimizer_bytes(L, cluster.runs.zero3_cast_shard) / cluster.spec.hbm_bw
     return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
