@@ -131,6 +131,7 @@ def layer_times(base: Run, cluster: Cluster | None = None) -> list[tuple[str | N
 
 
 def print_layer_times(runs: list[Run]) -> None:
+    """`layer_times` beside Table 4, each row's error, and their median and largest."""
     print("one layer of Korthikanti's 22B (tp8, a microbatch of 4 x 2048; Table 4), forward + backward:")
     errors = []
     for recompute, sp, published, predicted in layer_times(next(r for r in runs if r.name == LAYER_RUN)):

@@ -28,6 +28,11 @@ def _layout(**kw) -> Layout:
     return Layout(**{**base, **kw})
 
 
+def _float_layout(**kw) -> Layout:
+    """A layout of float64 arrays, as the search builds them, for calling timing's functions directly."""
+    return Layout(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(_layout(**kw)).items()})
+
+
 def _terms(spec="llama3-8b", cluster=None, seq=4096, **kw):
     return evaluate(model_spec(spec), cluster or Cluster(8, device="h100"), _layout(**kw), seq)
 
@@ -184,8 +189,7 @@ def test_attention_costs_flash_attentions_rate():
     from shardwise.planner.timing import block_seconds
 
     spec, c = model_spec("llama3-8b"), Cluster(8, device="h100")
-    layout = _layout()
-    layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
+    layout = _float_layout()
     tokens = 8192.0
     short, _, linear_short = block_seconds(spec, c, layout, tokens, 4096)
     long, _, linear_long = block_seconds(spec, c, layout, tokens, 8192)
@@ -212,8 +216,7 @@ def test_megatron_attention_costs_the_whole_square_and_its_scores():
     megatron = replace(flash, attention="megatron")
     c = Cluster(8, device="a100")
     tokens, seq, tp = 2048.0, 2048, 8
-    layout = _layout(tp=tp)
-    layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
+    layout = _float_layout(tp=tp)
     f_all, f_elementwise, f_linear = block_seconds(flash, c, layout, tokens, seq)
     m_all, m_elementwise, m_linear = block_seconds(megatron, c, layout, tokens, seq)
     scores = tokens * seq * flash.heads / tp
@@ -261,8 +264,7 @@ def test_sp_shards_only_the_elementwise_work_outside_the_tp_regions():
     tokens, h = 8192.0, spec.hidden
 
     def elementwise(tp, sp, **cluster):
-        layout = _layout(dp=1, tp=tp, sp=sp)
-        layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
+        layout = _float_layout(dp=1, tp=tp, sp=sp)
         c = Cluster(8, device="a100", **cluster)
         return float(block_seconds(spec, c, layout, tokens, 2048)[1]), c
 
@@ -457,8 +459,7 @@ def test_selective_recompute_reruns_the_matmuls_whose_outputs_it_drops():
             return float(matmul_seconds(c, tokens, out if rows else out / tp, inp / tp if rows else inp, 2))
 
         def block(tp, executor="shardwise"):  # (the whole forward, its elementwise part)
-            layout = _layout(dp=8 // tp, tp=tp)
-            layout = type(layout)(**{k: np.asarray(v, dtype=np.float64) for k, v in vars(layout).items()})
+            layout = _float_layout(dp=8 // tp, tp=tp)
             c = Cluster(8, device="h100", executor=executor)
             return [float(x) for x in block_seconds(spec, c, layout, float(tokens), tokens)[:2]]
 
