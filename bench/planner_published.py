@@ -308,7 +308,7 @@ def fit(runs: list[Run]) -> tuple[float, float, float, dict[str, float], float]:
     points = sum(r.calibrate for r in runs) + len(KORTHIKANTI_LAYER_MS)
     best = None
     for elementwise in (16.0, 32.0, 48.0, 64.0):
-        for fused in (8.0, 16.0, 24.0, 32.0, 48.0):
+        for fused in (12.0, 16.0, 24.0, 32.0, 48.0):  # at least the 11 outside the tp regions (Executor)
             for overhead in (0.0, 40e-6, 80e-6, 160e-6, 240e-6, 320e-6):
                 efficiencies, squares = {}, 0.0
                 for device in devices:

@@ -447,6 +447,10 @@ def test_search_refuses_bad_requests():
         sw.plan.evaluate("gpt2", Cluster(8), sw.ParallelConfig(dp=8), seq_len=128, global_batch=8, optimizer="adam")
     with pytest.raises(ConfigError, match="executor='deepspeed'"):
         Cluster(8, executor="deepspeed")
+    # Megatron-LM runs 11 of a block's elementwise values outside its tp regions: fewer in all cannot hold them
+    with pytest.raises(ConfigError, match="elementwise=8.0 is below the 11 values.*executor='megatron'"):
+        Cluster(8, device="a100", executor="megatron", elementwise=8)
+    assert Cluster(8, device="a100", executor="megatron", elementwise=11).spec.elementwise == 11
     # which of a mixture's matmuls alternate depends on its implementation: not modelled, refused (and not searched)
     with pytest.raises(ConfigError, match="recompute='selective-alternate'.*mixture"):
         sw.plan.evaluate("mixtral-8x7b", Cluster(8), sw.ParallelConfig(dp=8, recompute="selective-alternate"),

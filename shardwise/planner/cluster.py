@@ -59,57 +59,58 @@ DEVICES = {
 
 class Executor(NamedTuple):
     """How a step runs where training stacks differ (`Cluster.executor` names one of EXECUTORS).
-    `full_reruns_last`: full recompute runs a block's whole forward again, its last matmul
-    (the down projection) and reduction included, as a reentrant checkpoint or torch's before
-    2.1 did; torch's since stops once backward has what it needs. `selective_reruns_partials`:
-    selective recompute runs the row-parallel matmuls whose full-size partial sums it does not
-    keep again under tp (shardwise's, torch's selective checkpointing policy); Megatron-LM's
-    reruns its attention core only. `sp_gather_hidden`: sequence parallelism's backward
-    all-gather of a column-parallel layer's input runs beside the input-gradient matmul
-    (Megatron-LM's and shardwise's), not before it. `recompute_gathers`: under recompute the
-    column-parallel inputs are gathered again by the recomputation's forward, before anything
-    can run beside them (shardwise's recompute covers the whole block; Megatron-LM's selective
-    recomputes attention's core and keeps the shards as without it). `zero3_cast_shard`: ZeRO-3
-    under mixed precision keeps a low-precision copy of its parameter shard beside the float32
-    master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is
-    gathered (FSDP's, shardwise's). `grads_kept_below_zero`: under dp the gradients' memory stays
-    allocated between steps at ZeRO stages below this one: shardwise's stage 0/1 buckets (as DDP's),
-    Megatron-LM's main-gradient buffers and DeepSpeed's gradient partitions at every stage (4);
-    zero_grad(set_to_none=True) frees the rest (shardwise's ZeRO-2/3 shards, torchtitan's FSDP2,
-    Composer's FSDP: 0), so the first microbatch's loss backward runs before any exists
-    (measured on torchtitan's own step: bench/planner_torchtitan.py; shardwise's ZeRO-2 on a GPT whose
-    loss peaks, bench/planner.py's gpt-vocab on 4 ranks: its in-step peak fell by exactly the shard).
-    `selective_reruns_attention_core`: selective recompute reruns attention's core (its two batched
-    matmuls, the scores' softmax and dropout) and nothing else, Megatron-LM's `--recompute-granularity
-    selective`, not the block's elementwise work (shardwise's keeps the matmuls' outputs and reruns the
-    rest). `tp_replicated_elementwise`: of the `elementwise` values a block moves per token and hidden
-    unit, those outside the tp regions, which every tp rank runs whole without sp (None: all of them,
-    as eager PyTorch's norms, residuals and casts; Megatron-LM's fused kernels: its two LayerNorms, a read
-    and a write each, and two bias-dropout-adds, two reads, a write and a one-byte mask each, 11; the
-    rest runs on the rank's tp shard). `tp_backward_beside_weight_grads`: tp's two backward
-    all-reduces (a column-parallel layer's input gradient) run beside its weight-gradient matmul,
-    charged OVERLAP_COST of their time (Megatron-LM's since 2022, "an optimization in the backward
-    pass where we overlap all-reduce communication with the linear weight's gradient computation";
-    shardwise's run before it). Korthikanti et al.'s Table 4 measured these on one 22B layer:
-    bench/planner_published.py sets the planner against it. `pp_scatter_gather`: without sp, a
-    pipeline boundary's activation, whole on every tp rank, crosses as each tp rank's 1/tp over
-    its own link and is all-gathered inside the tp group on the far side (Megatron-LM's since
-    SC21, Section 4.1; shardwise's and torch's pipelining send it whole from every tp rank).
-    `dp_reduce_after_backward`: ZeRO 0-2's gradient reduction starts once the backward is done,
-    nothing beside it (Megatron-LM's before its --overlap-grad-reduce; Korthikanti et al. 2022:
-    "we do not use any overlapping of gradient all-reduces with back-propagation"); without it the
-    reduction runs beside the last microbatch's backward (shardwise's buckets, DDP's)."""
+    Each field changes one term of the time or memory model, read where that term is computed;
+    Korthikanti et al.'s Table 4 (one 22B layer, with and without sp, full and selective
+    recompute) tests the Megatron-LM fields in bench/planner_published.py."""
 
+    # Full recompute runs a block's whole forward again, its last matmul (the down projection) and
+    # reduction included, as a reentrant checkpoint or torch's before 2.1 did; torch's since stops
+    # once backward has what it needs.
     full_reruns_last: bool
+    # Selective recompute runs again, under tp, the row-parallel matmuls whose full-size partial sums
+    # it does not keep (shardwise's, torch's selective checkpointing policy).
     selective_reruns_partials: bool
+    # Sequence parallelism's backward all-gather of a column-parallel layer's input runs beside the
+    # input-gradient matmul (Megatron-LM's and shardwise's), not before it.
     sp_gather_hidden: bool
+    # Under recompute the column-parallel inputs are gathered again by the recomputation's forward,
+    # before anything can run beside them (shardwise's recompute covers the whole block; Megatron-LM's
+    # selective recomputes attention's core and keeps the shards as without it).
     recompute_gathers: bool
+    # ZeRO-3 under mixed precision keeps a low-precision copy of its parameter shard beside the float32
+    # master (DeepSpeed's stage 3), 2 bytes an element more than casting the master as it is gathered
+    # (FSDP's, shardwise's).
     zero3_cast_shard: bool
+    # Under dp the gradients stay allocated between steps at ZeRO stages below this one: shardwise's
+    # stage 0/1 buckets (as DDP's), Megatron-LM's main-gradient buffers and DeepSpeed's partitions at
+    # every stage (4). zero_grad(set_to_none=True) frees the rest (shardwise's ZeRO-2/3 shards,
+    # torchtitan's FSDP2, Composer's FSDP: 0), so the first microbatch's loss backward runs before any
+    # exists (measured on torchtitan's own step: bench/planner_torchtitan.py; on shardwise's ZeRO-2,
+    # bench/planner.py's gpt-vocab on 4 ranks: its in-step peak fell by exactly the shard).
     grads_kept_below_zero: int = 4
+    # Selective recompute reruns attention's core (its two batched matmuls, the scores' softmax and
+    # dropout) and nothing else: Megatron-LM's `--recompute-granularity selective`. Otherwise it keeps
+    # the matmuls' outputs and reruns the block's elementwise work (shardwise's).
     selective_reruns_attention_core: bool = False
+    # Of the `elementwise` values a block moves per token and hidden unit, those outside the tp
+    # regions, which every tp rank runs whole without sp; the rest runs on the rank's tp shard. None:
+    # all of them (eager PyTorch's norms, residuals and casts). Megatron-LM's fused kernels: two
+    # LayerNorms (a read and a write each) and two bias-dropout-adds (two reads, a write and a one-byte
+    # mask each), 11. A Cluster whose `elementwise` is below it is refused.
     tp_replicated_elementwise: float | None = None
+    # tp's two backward all-reduces (a column-parallel layer's input gradient) run beside its
+    # weight-gradient matmul, charged OVERLAP_COST of their time: Megatron-LM's since 2022 ("an
+    # optimization in the backward pass where we overlap all-reduce communication with the linear
+    # weight's gradient computation"); shardwise's run before it.
     tp_backward_beside_weight_grads: bool = False
+    # Without sp, a pipeline boundary's activation, whole on every tp rank, crosses as each tp rank's
+    # 1/tp over its own link and is all-gathered inside the tp group on the far side (Megatron-LM's
+    # since SC21, Section 4.1); shardwise's and torch's pipelining send it whole from every tp rank.
     pp_scatter_gather: bool = False
+    # ZeRO 0-2's gradient reduction starts once the backward is done, nothing beside it (Megatron-LM's
+    # before its --overlap-grad-reduce; Korthikanti et al. 2022: "we do not use any overlapping of
+    # gradient all-reduces with back-propagation"). Otherwise the reduction runs beside the last
+    # microbatch's backward (shardwise's buckets, DDP's).
     dp_reduce_after_backward: bool = False
 
 
@@ -192,6 +193,11 @@ class Cluster:
         spec = replace(base, **{k: float(v) for k, v in overrides.items() if v is not None})
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
+        replicated = EXECUTORS[self.executor].tp_replicated_elementwise
+        if replicated is not None and spec.elementwise < replicated:
+            raise ConfigError(f"elementwise={spec.elementwise!r} is below the {replicated:g} values per token and "
+                              f"hidden unit that executor={self.executor!r} runs outside its tp regions alone; "
+                              f"pass elementwise >= {replicated:g}")
         object.__setattr__(self, "spec", spec)
 
     @property

@@ -121,8 +121,7 @@ def block_seconds(spec: ModelSpec, cluster: Cluster, L, tokens, seq_len):
     per_unit = cluster.spec.elementwise
     # of the block's elementwise values per hidden unit, those outside the tp regions (norms, dropouts,
     # residuals) run whole on every tp rank without sp; the rest on the rank's shard (Executor)
-    replicated = per_unit if cluster.runs.tp_replicated_elementwise is None else \
-        min(cluster.runs.tp_replicated_elementwise, per_unit)
+    replicated = per_unit if cluster.runs.tp_replicated_elementwise is None else cluster.runs.tp_replicated_elementwise
     elementwise = replicated * tokens * h * nb / seq_shard + (per_unit - replicated) * tokens * h * nb / tp
     attention, _, scores = attention_core(spec, cluster, L, tokens, seq_len)
     elementwise = elementwise + scores
