@@ -34,7 +34,8 @@ from .parallel.context.sequence import (ContextParallel, SequenceShards, check_a
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast, sync_batchnorm
 from .parallel.data.replicas import apply_data_parallel
-from .parallel.pipeline.stages import Pipeline, prune_to_stages, tied_across_ranks
+from .parallel.pipeline.placement import prune_to_stages, tied_across_ranks
+from .parallel.pipeline.stages import Pipeline
 from .parallel.recompute import apply_recompute, recompute_targets
 from .parallel.pipeline.program import capture_module, split
 from .parallel.tensor.sharding import apply_tensor_parallel

@@ -104,15 +104,15 @@ def inject(name: str, config: dict) -> None:
         recorded = program.recorded_router_logits  # (under pp, captured as one replica's rows too)
         program.recorded_router_logits = lambda module, rows=1: recorded(module, 1)
     elif name == "aux-logits-detached":  # under pp: router logits sent to the loss's stage without their gradient
-        import shardwise.parallel.pipeline.program as program
+        import shardwise.parallel.pipeline.stage_module as stage_module
 
-        with_logits = program.StageModule._with_router_logits
+        with_logits = stage_module.StageModule._with_router_logits
 
         def detached(self, *args):
             out, taken = with_logits(self, *args)
             return out, tuple(t.detach() for t in taken)
 
-        program.StageModule._with_router_logits = detached
+        stage_module.StageModule._with_router_logits = detached
     elif name == "expert-grads-over-dp":  # expert gradients summed over all dp ranks, not those holding them
         import shardwise.topology as topology
 
