@@ -19,10 +19,12 @@ every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K 
 runs; and Korthikanti's Table 4, five times of one 22B layer) fixes the planner's fitted numbers
 (shardwise/planner/cluster.py: each device's `gemm_efficiency`, the shared `matmul_overhead` and
 `elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 39 runs
-are held out and show how the model generalises to other sizes, layouts and executors. `--fit` prints the
-numbers that fit the calibration part best. Megatron-LM's runs (2021-2022) wrote attention's
-scores to memory (`ModelSpec(attention="megatron")`); the search's own picks run as shardwise
-does, with torch's SDPA.
+are held out and show how the model generalises to other sizes, layouts and executors. `--fit`
+prints the numbers that fit the calibration part best. The fitted eager figure is also set
+against what Hugging Face's eager Llama and GPT-2 blocks move, counted op by op
+(bench/elementwise_count.py). Megatron-LM's runs (2021-2022) wrote attention's scores to memory
+(`ModelSpec(attention="megatron")`); the search's own picks run as shardwise does, with torch's
+SDPA.
 
 Run: python bench/planner_published.py [--fit] [--no-search]
 """
@@ -45,6 +47,7 @@ from shardwise.planner.format import TIME_LABELS
 from shardwise.planner.model import ModelSpec
 from shardwise.planner.search import Candidate, _factorizations, _inner_grid, recompute_codes, search
 
+from elementwise_count import print_counts
 from published_runs import GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
 
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
@@ -376,6 +379,7 @@ def main() -> None:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
     print_alternatives(runs, times)
     print_layer_times(runs)
+    print_counts()
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
     for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees"),
                              faster):

@@ -477,3 +477,18 @@ def test_selective_recompute_reruns_the_matmuls_whose_outputs_it_drops():
         core = 2 * tokens * tokens * h / 2 / Cluster(8, device="h100").matmul_flops(2)
         assert per_block(2, 1, "megatron") == pytest.approx(core, rel=1e-12)
         assert per_block(2, 2, "megatron") == pytest.approx(block(2, "megatron")[0], rel=1e-12)
+
+
+def test_elementwise_count_reads_and_writes_every_op_but_matmuls_and_views():
+    """bench/elementwise_count.py's counter, which sets the fitted eager charge against what a
+    block's ops move: an add of two bf16 tensors reads two values an element and writes one, a
+    cast to float32 reads two bytes and writes four, a view moves nothing, a matmul is charged apart."""
+    from elementwise_count import ElementwiseBytes
+
+    x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 8, dtype=torch.bfloat16)
+    counter = ElementwiseBytes()
+    with counter:
+        (x + x).view(8, 4)
+        x @ w
+        x.float()
+    assert counter.by_op == {"add": 3 * 32 * 2, "_to_copy": 32 * (2 + 4)}
