@@ -4,7 +4,9 @@ Each run (bench/published_runs.py) is a model, a cluster and the layout its auth
 with the step time they published (or what their tables give it from: FLOP/s per GPU with
 their FLOP count, tokens per second) and memory where they published it. For each the planner
 predicts the step time and memory of that exact layout (`sw.plan.evaluate`), and ranks it among
-every layout the search would consider at the same degrees (dp, tp, pp, cp). Where the authors
+every layout the search would consider at the same degrees (dp, tp, pp, cp), and among its own
+software's choices there (its recompute, sp and ZeRO stage held; microbatch size, 1F1B or
+interleaved stages left to choose). Where the authors
 published the same work in two layouts (`alternatives`), the predicted ratio of their step times
 is set against the published one: the only direct test of the planner's choices. Then, per model,
 the search's own best pick is checked against the best MFU anyone published for that model and
@@ -165,25 +167,36 @@ def _bf16_grids(spec: ModelSpec, groups, global_batch: int):
             yield grid
 
 
+# schedules every published run's software had (Megatron-LM since SC21, torchtitan, torch's pipelining)
+SCHEDULES_EVERY_STACK_HAD = (SCHEDULE_CODES["1f1b"], SCHEDULE_CODES["interleaved-1f1b"])
+
+
 def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     """Where the run's predicted seconds per sequence stand among the bf16 layouts the search
     considers for its batch, as (position, fitting layouts, the fastest one's seconds over the
     run's), 1 = the fastest: at its degrees dp, tp, pp, cp with its own recompute and sequence
-    parallelism (what its software had); at its degrees; over every factorization of its GPUs."""
+    parallelism; at its degrees; over every factorization of its GPUs; and at its degrees with
+    its own recompute, sp and ZeRO stage, over what is left to choose there with the schedules
+    every stack had (microbatch size, 1F1B or interleaved, virtual stages): its software's choices."""
     c = sw.ParallelConfig(**run.config).resolve(run.cluster.gpus)
     mine = mine / run.global_batch * (1 - 1e-9)
-    own = (RECOMPUTE_CODES[c.recompute], int(c.sequence_parallel))
+    degrees = [(c.dp, c.tp, c.pp, c.cp)]
+
+    def own(grid):
+        return (grid.recompute == RECOMPUTE_CODES[c.recompute]) & (grid.sp == int(c.sequence_parallel))
+
+    def software(grid):
+        return own(grid) & (grid.zero == c.zero) & ((grid.pp == 1) | np.isin(grid.schedule, SCHEDULES_EVERY_STACK_HAD))
+
     out = []
-    for groups, same in (([(c.dp, c.tp, c.pp, c.cp)], True), ([(c.dp, c.tp, c.pp, c.cp)], False),
-                         (_factorizations(run.spec, run.executed_on, run.seq, True), False)):
+    for groups, keep in ((degrees, own), (degrees, None),
+                         (_factorizations(run.spec, run.executed_on, run.seq, True), None), (degrees, software)):
         times = []
         for grid in _bf16_grids(run.spec, groups, run.global_batch):
             grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
             grid.optimizer = OPTIMIZER_CODES["fused"]  # the run's software's, as predict() has it
             per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
-            if same:
-                per_token = np.where((grid.recompute == own[0]) & (grid.sp == own[1]), per_token, np.inf)
-            times.append(per_token)
+            times.append(per_token if keep is None else np.where(keep(grid), per_token, np.inf))
         times = np.concatenate(times) if times else np.array([])
         fitting = times[np.isfinite(times)]
         out.append((int((fitting < mine).sum()) + 1, int(fitting.size),
@@ -345,7 +358,7 @@ def main() -> None:
           f"{'mem GiB':>8} {'pub':>6} {'own':>9} {'gap':>5} {'degree':>6} {'all':>6}")
     errors: dict[str, list[float]] = {"calibration": [], "held out": []}
     times: dict[str, tuple[float, float]] = {}  # run: (published, predicted) seconds
-    memory_errors, published_mfu, faster, own_gaps = [], [], ([], [], []), []
+    memory_errors, published_mfu, faster, own_gaps, software_gaps = [], [], ([], [], [], []), [], []
     for r in runs:
         got = predict(r)
         published = r.step_seconds(got.model_flops)
@@ -363,6 +376,8 @@ def main() -> None:
         for scope, share in zip(faster, shares):
             scope.extend([share] if got.fits and share == share else [])
         own_gaps.append(max(1 - placed[0][2], 0.0))  # 0 where nothing that fits beats it
+        if got.fits:
+            software_gaps.append(max(1 - placed[3][2], 0.0))
         memory = f"{r.memory_gib:>6.1f}" if r.memory_gib else f"{'':>6}"
         if r.memory_gib:
             memory_errors.append(got.memory / GIB / r.memory_gib - 1)
@@ -381,13 +396,17 @@ def main() -> None:
     print_layer_times(runs)
     print_counts()
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
-    for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees"),
-                             faster):
+    for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees",
+                              "among its software's choices (its degrees, recompute, sp and ZeRO stage; microbatch "
+                              "size, 1F1B or interleaved)"), faster):
         print(f"  {scope}: median {statistics.median(shares):.1%}, worst {max(shares):.1%}; top 5% for "
               f"{sum(x <= 0.05 for x in shares)} of {len(shares)}")
     print(f"the fastest layout at a published layout's degrees with its own recompute and sp is faster by (gap): "
           f"median {statistics.median(own_gaps):.1%}, max {max(own_gaps):.1%}; within 5% for "
           f"{sum(g <= 0.05 for g in own_gaps)} of {len(own_gaps)}")
+    print(f"the fastest among its software's choices is faster than a published layout that fits by: median "
+          f"{statistics.median(software_gaps):.1%}, max {max(software_gaps):.1%}; within 5% for "
+          f"{sum(g <= 0.05 for g in software_gaps)} of {len(software_gaps)}")
     if args.no_search:
         return
     print(f"\nthe search's best pick per run against the best MFU published on its device for a model of "
