@@ -1,10 +1,9 @@
 """The planner's time model (planner/timing.py) and its gradient buckets' memory: each term does
-what its derivation says, the zero-bubble bubble is torch's own schedule's, and the published
-runs of bench/published_runs.py stay within the issue's bounds. Arithmetic only, no timing."""
+what its derivation says, and the zero-bubble bubble is torch's own schedule's (the published
+runs: tests/test_planner_published.py). Arithmetic only, no timing."""
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -316,92 +315,6 @@ def test_zero_bubble_bubble_is_torchs(p, v, m):
     assert 1 / 3 < share < 0.5  # a 70B Llama block at 4K tokens: ~80-95% of its forward is linear layers
 
 
-def _executor_apart(run) -> bool:
-    """Runs whose step time the planner does not model as they ran (see the test below; their
-    memory it does: Cluster(executor="fsdp2"))."""
-    return run.source == "torchtitan"
-
-
-def test_published_runs_within_bounds():
-    """bench/published_runs.py's corpus: the step time predicted for each published layout
-    against the published one, within the issue's bounds: median |error| <= 10% on the
-    held-out part and on the whole, and at most 25% on every run but torchtitan's, whose
-    step the planner does not time as it ran: its selective checkpointing recomputes every second
-    matmul (+12% of an 8B Llama's compute), its H100s ran at 500 W with a peak it does not
-    know, two rows are eager (they miss by 18-19%).
-    Dropping a term breaks a bound: Megatron-LM's materialized attention charged as flash
-    attention puts its 1.7B at -30%; no elementwise traffic at all puts MPT 125M at -31%;
-    one NIC per node for every run puts llm-foundry's 13B on 64 H100s at +235% (DeepSpeed's
-    2021 ZeRO-3 rows are run so, as `Run.executor` says, and land within 16%)."""
-    errors = {True: [], False: []}
-    for run in published.corpus():
-        got = published.predict(run)
-        error = got.step_seconds / run.step_seconds(got.model_flops) - 1
-        errors[run.calibrate].append(abs(error))
-        if not _executor_apart(run):
-            assert abs(error) <= 0.25, f"{run.name}: predicted {got.step_seconds:.3f} s, {error:+.1%} off the published"
-    assert len(errors[True]) + len(errors[False]) >= 30
-    assert statistics.median(errors[False]) <= 0.10
-    assert statistics.median(errors[True] + errors[False]) <= 0.10
-
-
-def test_walk_from_a_published_layout_ends_at_the_pick():
-    """bench/planner_published.py explains a pick's MFU over a published run by walking from the
-    run's layout to the pick one group of choices at a time. The walk must start at the run's own
-    prediction and end at the pick's exactly, else its steps credit gains to the wrong choices.
-    Fault: a step that forgets a field (sequence parallelism with the degrees) ends elsewhere."""
-    from dataclasses import replace
-
-    import planner_published as analysis
-    from shardwise.planner.search import search
-
-    runs = {r.name: r for r in published.corpus()}
-    for name, first_steps in (("korthikanti 175B sp + selective",
-                               ["published layout",
-                                "flash attention, torch's cross-entropy, torch's kernels, shardwise's recompute, sp, tp "
-                                "backward and ZeRO-2/3 gradients freed between steps, torch's foreach Adam"]),
-                              ("mpt 70b a100 seq 2048 fsdp64",
-                               ["published layout", "torch's cross-entropy, shardwise's recompute, sp and ZeRO-0/1 "
-                                                    "gradient buffers, torch's foreach Adam"])):
-        run = runs[name]
-        pick = search(replace(run.spec, attention="flash", fused_loss=False), run.cluster, global_batch=run.global_batch,
-                      seq_len=run.seq, top=1, dtypes=(2,))[0]
-        steps = analysis.walk(run, pick)
-        assert [label for label, _ in steps[:2]] == first_steps
-        assert steps[0][1].time_terms == published.predict(run).time_terms
-        last = steps[-1][1]
-        assert last.config == pick.config and last.virtual == pick.virtual
-        assert last.time_terms == pick.time_terms and last.memory_terms == pick.memory_terms
-
-
-def test_published_alternatives_are_the_same_work_in_other_layouts():
-    """The bench's A/B check pairs runs published for the same work (model, cluster, sequence and
-    batch) in different layouts: Korthikanti's four full-recompute / sp + selective pairs and
-    Megatron's five ZeRO-3 / PTD-P pairs at equal GPUs and batch. Faults: pairing by model alone
-    (Megatron's 530B on 640 GPUs against 560) or keeping pairs of one layout (torchtitan's eager
-    and compiled runs differ in no choice the planner makes) change the set."""
-    import planner_published as analysis
-
-    pairs = {(a.name, b.name) for a, b in analysis.alternatives(published.corpus())}
-    korthikanti = {(f"korthikanti {b}B full recompute", f"korthikanti {b}B sp + selective") for b in (22, 175, 530, 1000)}
-    megatron = {(f"megatron gpt-{b} zero3 x{g}", f"megatron gpt-{b} tp8 pp{pp} x{g}")
-                for b, pp, gpus in (("174.6b", 12, (384, 768, 1536)), ("529.6b", 35, (1120, 2240))) for g in gpus}
-    assert pairs == korthikanti | megatron
-
-
-def test_software_choices_keep_the_published_zero_stage():
-    """The bench's last ranking holds a published layout's degrees, recompute, sp and ZeRO stage
-    and varies what its software could choose. Megatron's 1.7B row (dp32, no pipeline, ZeRO 0):
-    the layouts with its recompute and sp are those of its microbatch sizes at each of ZeRO's four
-    stages (a higher stage holds less, so each fits where ZeRO 0 does): its software's choices are
-    a quarter of them, none faster. Fault: keeping the other stages counts all four."""
-    import planner_published as analysis
-
-    run = next(r for r in published.corpus() if r.name == "megatron 1.7B tp1 pp1 x32")
-    own, _, _, software = analysis.ranks(run, published.predict(run).step_seconds)
-    assert own[1] == 4 * software[1] > 0 and software[0] == 1
-
-
 def test_evaluate_exposes_the_new_terms():
     c = sw.plan.evaluate("llama3-8b", Cluster(16, device="h100"),
                          sw.ParallelConfig(tp=2, pp=2, microbatches=4, param_dtype=torch.bfloat16), seq_len=4096,
@@ -490,18 +403,3 @@ def test_selective_recompute_reruns_the_matmuls_whose_outputs_it_drops():
         core = 2 * tokens * tokens * h / 2 / Cluster(8, device="h100").matmul_flops(2)
         assert per_block(2, 1, "megatron") == pytest.approx(core, rel=1e-12)
         assert per_block(2, 2, "megatron") == pytest.approx(block(2, "megatron")[0], rel=1e-12)
-
-
-def test_elementwise_count_reads_and_writes_every_op_but_matmuls_and_views():
-    """bench/elementwise_count.py's counter, which sets the fitted eager charge against what a
-    block's ops move: an add of two bf16 tensors reads two values an element and writes one, a
-    cast to float32 reads two bytes and writes four, a view moves nothing, a matmul is charged apart."""
-    from elementwise_count import ElementwiseBytes
-
-    x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 8, dtype=torch.bfloat16)
-    counter = ElementwiseBytes()
-    with counter:
-        (x + x).view(8, 4)
-        x @ w
-        x.float()
-    assert counter.by_op == {"add": 3 * 32 * 2, "_to_copy": 32 * (2 + 4)}
