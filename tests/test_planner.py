@@ -210,6 +210,30 @@ def test_memory_predictions_in_a_fake_world():
             assert abs(error) <= MEMORY_MARGIN, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
 
 
+def test_fused_rmsnorm_keeps_one_activation_and_rsqrt():
+    """`ModelSpec(norm_float32=False)`: a fused RMSNorm (torchtitan's fused_rmsnorm, Megatron-LM's)
+    keeps one bf16 tensor where Hugging Face's keeps x*rsqrt and its output in float32, and the
+    same float32 rsqrt: per block without recompute (two norms) 2 x (2 x 4 - 2) = 12 bytes a token
+    and hidden unit fewer, at the final norm 8 - 2 = 6; recompute keeps no norm, so nothing moves.
+    Fault: the field ignored moves nothing. A LayerNorm spec takes no such choice."""
+    from shardwise.planner.cost import block_activation_bytes, end_activation_bytes
+
+    hf = model_spec("llama3-8b")
+    fused = dataclasses.replace(hf, norm_float32=False)
+    tokens, h = 4096.0, hf.hidden
+
+    def kept(spec, recompute):
+        return float(block_activation_bytes(spec, tokens, 1, 0, 1, np.float64(recompute), 2, 1, 4096))
+
+    assert kept(hf, 0) - kept(fused, 0) == 12 * tokens * h
+    for recompute in (1, 2, 3):
+        assert kept(hf, recompute) == kept(fused, recompute)
+    assert (end_activation_bytes(hf, tokens, 4096, 1, 0, 2)[1] - end_activation_bytes(fused, tokens, 4096, 1, 0, 2)[1]
+            == 6 * tokens * h)
+    with pytest.raises(ConfigError, match="norm_float32=False.*norm='layernorm'"):
+        dataclasses.replace(model_spec("gpt2"), norm_float32=False)
+
+
 def test_model_specs_count_parameters_exactly():
     import transformers
 

@@ -133,10 +133,12 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     mlp = 0.0 if moe else (4 if spec.mlp == "swiglu" else 2) * spec.ffn / h  # swiglu: gate, up, silu, product; gelu: fc1, gelu
     ups = 0.0 if moe else spec.up_projections * spec.ffn / h
     down = 0 if moe else 1  # selective keeps the MLP's (reduced) output; a mixture's is per slot, below
-    if spec.norm == "rmsnorm":  # Hugging Face's RMSNorm computes in float32
+    # the two norms' kept tensors: Hugging Face's RMSNorm computes in float32 (x*rsqrt and the output);
+    # LayerNorm and a fused RMSNorm keep one tensor of the activations' size, with mean and rstd or rstd alone
+    if spec.norm == "rmsnorm" and spec.norm_float32:
         norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
     else:
-        norm_bytes, stats = 2 * act_bytes, 4 * FLOAT32
+        norm_bytes, stats = 2 * act_bytes, (2 if spec.norm == "rmsnorm" else 4) * FLOAT32
     lse = np.where(cp > 1, 0.0, spec.heads * tokens * FLOAT32)  # cp recomputes attention in backward
     scores = tokens * seq_len * spec.heads / tp  # of the s x s squares, on this rank
     if spec.attention == "megatron":
@@ -194,10 +196,10 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
     shard = np.where(sp == 1, tp, 1)
     rotary = 2 * seq_local * (spec.hidden // spec.heads) * act_bytes if spec.norm == "rmsnorm" else 0
     first = act_bytes * sbh / shard + rotary
-    if spec.norm == "rmsnorm":  # float32 x*rsqrt and output, rsqrt
+    if spec.norm == "rmsnorm" and spec.norm_float32:  # float32 x*rsqrt and output, rsqrt
         norm = (2 * FLOAT32 * sbh + FLOAT32 * tokens) / shard
-    else:  # output, mean and rstd
-        norm = (act_bytes * sbh + 2 * FLOAT32 * tokens) / shard
+    else:  # output, mean and rstd (a fused RMSNorm: one tensor and rstd)
+        norm = (act_bytes * sbh + (1 if spec.norm == "rmsnorm" else 2) * FLOAT32 * tokens) / shard
     last = norm + loss_bytes(spec, act_bytes) * tokens * spec.vocab / tp
     return first, last
 

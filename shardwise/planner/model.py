@@ -28,8 +28,10 @@ class ModelSpec:
     `*_params` pairs are (sharded by tensor parallelism, replicated across it): per block
     of the layer list, before it (embeddings) and after it (final norm, untied head).
     `mlp` is "gelu" (two matrices of width ffn) or "swiglu" (three); `norm` "layernorm"
-    (keeps its output and mean/rstd) or "rmsnorm" (Hugging Face's: keeps x*rsqrt, the
-    output and rsqrt in float32). `plan` is the zoo plan that lays it out. A mixture of
+    (keeps its output and mean/rstd) or "rmsnorm": with `norm_float32` Hugging Face's, which
+    computes in float32 and keeps x*rsqrt, the output and rsqrt in float32; without it a fused
+    kernel that keeps one tensor of the activations' size and rsqrt (torchtitan's fused_rmsnorm,
+    Megatron-LM's and Transformer Engine's). `plan` is the zoo plan that lays it out. A mixture of
     experts has `experts` per layer, `top_k` of them per token, and `expert_params` per layer
     (all its experts, of width `ffn` each; tp leaves them whole, ep splits them); its
     `layer_params` are the rest of a block (attention, norms, router, a shared expert).
@@ -64,6 +66,7 @@ class ModelSpec:
     attention: str = "flash"
     loss_float32: bool = True  # the cross-entropy upcasts the logits (Hugging Face's loss); else their dtype
     fused_loss: bool = False  # a fused cross-entropy: the logits' gradient computed in place
+    norm_float32: bool = True  # RMSNorm in float32, its float32 tensors kept (Hugging Face's); else a fused kernel's
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -85,6 +88,10 @@ class ModelSpec:
         if self.layers > MAX_LAYERS:
             raise ConfigError(f"ModelSpec(layers={self.layers}) is more than the planner plans for ({MAX_LAYERS}): the "
                               "largest published models have ~100-200 layers; check the spec")
+        if not isinstance(self.norm_float32, bool) or (self.norm == "layernorm" and not self.norm_float32):
+            raise ConfigError(f"ModelSpec(norm_float32={self.norm_float32!r}) says whether an RMSNorm keeps float32 "
+                              f"tensors (True, Hugging Face's) or is a fused kernel (False); norm={self.norm!r} "
+                              "takes the default")
         if self.mlp not in ("gelu", "swiglu") or self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"ModelSpec(mlp={self.mlp!r}, norm={self.norm!r}): mlp is 'gelu' or 'swiglu', norm "
                               "'layernorm' or 'rmsnorm'")
