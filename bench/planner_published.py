@@ -20,7 +20,7 @@ The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-sc
 every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
 runs; and Korthikanti's Table 4, five times of one 22B layer) fixes the planner's fitted numbers
 (shardwise/planner/cluster.py: each device's `gemm_efficiency`, the shared `matmul_overhead` and
-`elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 39 runs
+`elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 45 runs
 are held out and show how the model generalises to other sizes, layouts and executors. `--fit`
 prints the numbers that fit the calibration part best. The fitted eager figure is also set
 against what Hugging Face's eager Llama and GPT-2 blocks move, counted op by op
@@ -91,7 +91,8 @@ def hardware_share(spec: ModelSpec, cluster: Cluster, seq: int, recompute: str |
 def alternatives(runs: list[Run]) -> list[tuple[Run, Run]]:
     """Pairs of runs their authors published for the same work (model, GPUs, sequence length and
     batch) in different layouts or options: Korthikanti's full recompute against sequence
-    parallelism with selective recompute, Megatron's ZeRO-3 against PTD-P."""
+    parallelism with selective recompute, Megatron's ZeRO-3 against PTD-P, torchtitan's Llama 2
+    13B without recompute against its op-level selective checkpointing."""
     pairs = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
@@ -194,7 +195,7 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
         times = []
         for grid in _bf16_grids(run.spec, groups, run.global_batch):
             grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
-            grid.optimizer = OPTIMIZER_CODES["fused"]  # the run's software's, as predict() has it
+            grid.optimizer = OPTIMIZER_CODES[run.optimizer]  # the run's software's, as predict() has it
             per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
             times.append(per_token if keep is None else np.where(keep(grid), per_token, np.inf))
         times = np.concatenate(times) if times else np.array([])
@@ -246,7 +247,7 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
                 ("torch's kernels", "elementwise" in (run.executor or {})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
                 (OWN_EXECUTION.get((run.executor or {}).get("executor")), "executor" in (run.executor or {})),
-                (f"torch's {pick.optimizer} Adam", pick.optimizer != "fused")]
+                (f"torch's {pick.optimizer} Adam", pick.optimizer != run.optimizer)]
     if any(changed for _, changed in software):
         steps.append((", ".join(name for name, changed in software if changed),
                       cost(pick.spec, run.cluster, config, virtual)))
@@ -271,6 +272,19 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
             config = changed
             steps.append((label, cost(pick.spec, run.cluster, config, virtual)))
     return steps
+
+
+def walk_groups(steps: list[tuple[str, Candidate]]) -> list[tuple[str, float]]:
+    """(group, MFU points) of each step after the published layout: its software, or a WALK group."""
+    def group(label: str) -> str:
+        if label.split("/")[0] in SCHEDULE_CODES:
+            return "schedule"
+        for prefix, name in (("recompute ", "recompute"), ("zero", "sharding"), ("dp", "degrees")):
+            if label.startswith(prefix):
+                return name
+        return "software"
+
+    return [(group(label), (after.mfu - before.mfu) * 100) for (_, before), (label, after) in zip(steps, steps[1:])]
 
 
 def _walk_line(steps: list[tuple[str, Candidate]]) -> str:
@@ -412,6 +426,7 @@ def main() -> None:
     print(f"\nthe search's best pick per run against the best MFU published on its device for a model of "
           f"1/{SIZE_BAND:g}x to {SIZE_BAND:g}x its size:")
     over, over_hardware, without_new, on_own_software, beyond_shown = [], [], [], [], []
+    gains: dict[str, list[float]] = {}  # walk group: the MFU points of its steps over the picks above
     for r in runs:
         # the pick as shardwise runs it: torch's SDPA (flash attention) and eager cross-entropy, on the hardware itself
         best = search(replace(r.spec, attention="flash", fused_loss=False), r.cluster, global_batch=r.global_batch,
@@ -445,14 +460,19 @@ def main() -> None:
             shown, by = max((p.hfu, p.name) for p in published_mfu
                             if p.device == r.cluster.device and p.matmul <= largest_matmul(r.spec, pick.config.tp))
             beyond_shown += [r.name] if pick_hardware > shown else []
-            print(f"      needs HFU {pick_hardware:.1%}, the device ran {shown:.1%} ({by}); from "
-                  + _walk_line(walk(r, pick)))
+            steps = walk(r, pick)
+            for group, points in walk_groups(steps):
+                gains.setdefault(group, []).append(points)
+            print(f"      needs HFU {pick_hardware:.1%}, the device ran {shown:.1%} ({by}); from " + _walk_line(steps))
     print(f"{len(over)} of {len(runs)} picks more than 5 MFU points above: {', '.join(over) or 'none'}")
     if without_new:
         print(f"  without zero-bubble schedules and context parallelism they stay {min(without_new) * 100:+.1f} to "
               f"{max(without_new) * 100:+.1f} points above: their promise rests on the rest of the layout; "
               f"run also with the attention and kernels of the run's own software, {min(on_own_software) * 100:+.1f} "
               f"to {max(on_own_software) * 100:+.1f}")
+    if gains:
+        print("  their walks' median gain by group, over the steps that change something (points, steps): "
+              + ", ".join(f"{group} {statistics.median(points):+.1f} ({len(points)})" for group, points in gains.items()))
     if over:
         print(f"  of those, {len(over) - len(beyond_shown)} need no more of the peak (HFU) than a published run "
               f"reached on the same device with weight matrices no larger per GPU"

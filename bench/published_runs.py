@@ -16,7 +16,7 @@ import torch
 
 import shardwise as sw
 from shardwise.planner import Cluster
-from shardwise.planner.model import MODELS, ModelSpec, gpt2_like
+from shardwise.planner.model import MODELS, ModelSpec, gpt2_like, llama_like
 
 GIB = 2.0 ** 30
 FP32 = torch.float32
@@ -34,6 +34,8 @@ SOURCES = {
               "step = the planner's model FLOPs (6N + causal attention) / (GPUs x TFLOP/s)",
     "llm-foundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7): MPT 125M-70B with "
                    "FSDP FULL_SHARD, flash attention, bf16; step = global batch tokens / (tokens/s per GPU x GPUs)",
+    "torchtitan-2024": "torchtitan docs/performance.md (commit 3faaa1a0d, 2024-08): Llama 2 13B/70B and Llama 3 "
+                       "8B/70B, FSDP2 on 64 A100 80 GB; WPS per GPU; step = local batch x seq / WPS",
     "torchtitan": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP, H100 96 GB HBM2e at "
                   "500 W, seq 8192; step = local batch x seq / TPS per GPU; memory as published",
 }
@@ -97,6 +99,7 @@ class Run:
     virtual: int = 1
     notes: str = ""  # what the source does not say and the layout assumes
     executor: dict | None = None  # Cluster overrides for what the run's software reached on the hardware
+    optimizer: str = "fused"  # its optimizer step's implementation (planner/timing.py's OPTIMIZER_CODES)
 
     @property
     def executed_on(self) -> Cluster:
@@ -195,7 +198,8 @@ def corpus() -> list[Run]:
     # selective AC with its "op" policy, which keeps the matmuls' and attention's outputs but every second mm's
     # (shardwise's selective-alternate); torch.compile compiles each TransformerBlock, not the loss ("compiling
     # loss function causes CUDA errors, turning off for now"): both rows run torch's eager cross-entropy on
-    # float32 logits; zero_grad(set_to_none=True) frees the gradients between steps (the "fsdp2" executor:
+    # float32 logits; AdamW is torch's foreach one (--optimizer.fused is off by default); zero_grad(set_to_none=True)
+    # frees the gradients between steps (the "fsdp2" executor:
     # bench/planner_torchtitan.py measures that step's allocated peak). Memory is published as the peak the
     # caching allocator reserved (max_reserved_gib); the planner predicts the peak allocated, which it cannot
     # exceed.
@@ -206,8 +210,30 @@ def corpus() -> list[Run]:
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
                         dict(dp=gpus, zero=3, recompute="selective-alternate", microbatches=1, reduce_dtype=FP32,
                              bucket_mb=FSDP_BUCKET_MB), 2,
-                        tokens_per_gpu=tps, executor=dict(executor="fsdp2"),
+                        tokens_per_gpu=tps, executor=dict(executor="fsdp2"), optimizer="foreach",
                         memory_gib=memory))
+    # torchtitan's earlier A100 runs (SOURCES["torchtitan-2024"]; run at its April 2024 code, 1ea476e9f): FSDP2 over
+    # all 64 GPUs (ZeRO-3, bf16 parameters, gradients reduced in float32), eager (its presets: compile = false), the
+    # loss on float32 logits (`self.output(h).float()`), foreach AdamW, the presets' norms: fused_rmsnorm for the 8B
+    # and 13B, torchtitan's float32 RMSNorm for the 70Bs (which keeps what Hugging Face's does). "selective op" is its
+    # op policy (shardwise's selective-alternate), "full" full recompute. Its "selective layer" rows (every second
+    # block fully recomputed, the rest kept whole) have no planner equivalent and are left out.
+    llama2_13b = llama_like("llama2-13b", 40, 5120, 40, 40, 13824, 32000)
+    llama2_70b = llama_like("llama2-70b", 80, 8192, 64, 8, 28672, 32000)
+    for label, spec, seq, batch, recompute, tps in (
+            ("llama3 8B selective op", MODELS["llama3-8b"], 8192, 1, "selective-alternate", 2973),
+            ("llama3 70B full", MODELS["llama3-70b"], 8192, 1, "full", 331),
+            ("llama2 13B no recompute", llama2_13b, 4096, 2, None, 2162),
+            ("llama2 13B selective op", llama2_13b, 4096, 2, "selective-alternate", 1904),
+            ("llama2 70B selective op", llama2_70b, 4096, 1, "selective-alternate", 355),
+            ("llama2 70B full", llama2_70b, 4096, 2, "full", 353)):
+        fused_norm = spec.hidden < 8192
+        runs.append(Run(f"torchtitan {label} a100 fsdp64", "torchtitan-2024", label,
+                        replace(spec, norm_float32=not fused_norm), Cluster(64, device="a100"), seq, batch * 64,
+                        dict(dp=64, zero=3, recompute=recompute, microbatches=1, reduce_dtype=FP32,
+                             bucket_mb=FSDP_BUCKET_MB), batch,
+                        tokens_per_gpu=tps, executor=dict(executor="fsdp2"), optimizer="foreach",
+                        notes="the presets' norms, tp 1 and the table's batch (the table names neither)"))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's
     # checkpoint (the README says its tables still await a torch 2.0 rerun), which reran a block's whole
@@ -243,15 +269,15 @@ def corpus() -> list[Run]:
     # every run's loss but torchtitan's is a fused kernel that writes the logits' gradient in place: Megatron's
     # vocab-parallel cross-entropy (also Meta's, a Megatron descendant), llm-foundry's fused_crossentropy
     # (flash-attn's, its default); torchtitan's is torch's eager one (above)
-    return [r if r.source == "torchtitan" else replace(r, spec=replace(r.spec, fused_loss=True)) for r in runs]
+    return [r if r.source.startswith("torchtitan") else replace(r, spec=replace(r.spec, fused_loss=True)) for r in runs]
 
 
 def predict(run: Run, cluster: Cluster | None = None):
     """The planner's Candidate for the run's own layout (bf16 parameters; gradients in float32
     where the source says the run reduced them so: Llama 3, torchtitan's default, llm-foundry's
     DEFAULT precision; Megatron's 2021-2022 runs do not say, so theirs are the parameters'), and
-    a fused optimizer step (Megatron's and DeepSpeed's Adam, torchtitan's default; llm-foundry's
-    counted alike)."""
+    its optimizer step (`Run.optimizer`: fused for Megatron's and DeepSpeed's Adam and
+    llm-foundry's, counted alike; torch's foreach AdamW for torchtitan's, its default)."""
     config = sw.ParallelConfig(param_dtype=torch.bfloat16, **run.config)
     return sw.plan.evaluate(run.spec, cluster or run.executed_on, config, seq_len=run.seq, global_batch=run.global_batch,
-                            virtual=run.virtual, optimizer="fused")
+                            virtual=run.virtual, optimizer=run.optimizer)

@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -71,21 +72,33 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
         last = steps[-1][1]
         assert last.config == pick.config and last.virtual == pick.virtual
         assert last.time_terms == pick.time_terms and last.memory_terms == pick.memory_terms
+        groups = analysis.walk_groups(steps)
+        assert groups[0][0] == "software" and sum(points for _, points in groups) == pytest.approx(
+            (pick.mfu - steps[0][1].mfu) * 100, rel=1e-9)
+    # the medians the bench prints sort each step by its label (fault: "zero-bubble" read as a ZeRO stage)
+    same = published.predict(runs["mpt 70b a100 seq 2048 fsdp64"])
+    labels = ["published layout", "zero-bubble/v4", "zero2, 25 MiB buckets", "recompute none", "dp8 tp2+sp pp4 cp1 mb1x256",
+              "interleaved-1f1b/v2", "flash attention"]
+    assert [g for g, _ in analysis.walk_groups([(label, same) for label in labels])] == [
+        "schedule", "sharding", "recompute", "degrees", "schedule", "software"]
 
 
 def test_published_alternatives_are_the_same_work_in_other_layouts():
     """The bench's A/B check pairs runs published for the same work (model, cluster, sequence and
-    batch) in different layouts: Korthikanti's four full-recompute / sp + selective pairs and
-    Megatron's five ZeRO-3 / PTD-P pairs at equal GPUs and batch. Faults: pairing by model alone
-    (Megatron's 530B on 640 GPUs against 560) or keeping pairs of one layout (torchtitan's eager
-    and compiled runs differ in no choice the planner makes) change the set."""
+    batch) in different layouts: Korthikanti's four full-recompute / sp + selective pairs,
+    Megatron's five ZeRO-3 / PTD-P pairs at equal GPUs and batch, and torchtitan's Llama 2 13B
+    without recompute and with its op-level selective checkpointing. Faults: pairing by model
+    alone (Megatron's 530B on 640 GPUs against 560; torchtitan's Llama 2 70B at local batch 1
+    against 2) or keeping pairs of one layout (torchtitan's eager and compiled runs differ in no
+    choice the planner makes) change the set."""
     import planner_published as analysis
 
     pairs = {(a.name, b.name) for a, b in analysis.alternatives(published.corpus())}
     korthikanti = {(f"korthikanti {b}B full recompute", f"korthikanti {b}B sp + selective") for b in (22, 175, 530, 1000)}
     megatron = {(f"megatron gpt-{b} zero3 x{g}", f"megatron gpt-{b} tp8 pp{pp} x{g}")
                 for b, pp, gpus in (("174.6b", 12, (384, 768, 1536)), ("529.6b", 35, (1120, 2240))) for g in gpus}
-    assert pairs == korthikanti | megatron
+    torchtitan = {("torchtitan llama2 13B no recompute a100 fsdp64", "torchtitan llama2 13B selective op a100 fsdp64")}
+    assert pairs == korthikanti | megatron | torchtitan
 
 
 def test_software_choices_keep_the_published_zero_stage():
