@@ -20,7 +20,7 @@ The calibration part (`calibrate=True`: every other row of Megatron-LM's weak-sc
 every other MPT size of llm-foundry's tables on A100 and H100, Llama 3's two 8K layouts: 16
 runs; and Korthikanti's Table 4, five times of one 22B layer) fixes the planner's fitted numbers
 (shardwise/planner/cluster.py: each device's `gemm_efficiency`, the shared `matmul_overhead` and
-`elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 45 runs
+`elementwise`) and Megatron-LM's own elementwise traffic (`MEGATRON_EXECUTOR`); the other 46 runs
 are held out and show how the model generalises to other sizes, layouts and executors. `--fit`
 prints the numbers that fit the calibration part best. The fitted eager figure is also set
 against what Hugging Face's eager Llama and GPT-2 blocks move, counted op by op

@@ -35,7 +35,8 @@ SOURCES = {
     "llm-foundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7): MPT 125M-70B with "
                    "FSDP FULL_SHARD, flash attention, bf16; step = global batch tokens / (tokens/s per GPU x GPUs)",
     "torchtitan-2024": "torchtitan docs/performance.md (commit 3faaa1a0d, 2024-08): Llama 2 13B/70B and Llama 3 "
-                       "8B/70B, FSDP2 on 64 A100 80 GB; WPS per GPU; step = local batch x seq / WPS",
+                       "8B/70B, FSDP2 on 64 A100 80 GB; Llama 3.1 405B, FSDP2 x TP8 on 128 H100 96 GB HBM2e at 500 W; "
+                       "WPS per GPU; step = local batch x seq / WPS",
     "torchtitan": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP, H100 96 GB HBM2e at "
                   "500 W, seq 8192; step = local batch x seq / TPS per GPU; memory as published",
 }
@@ -234,6 +235,15 @@ def corpus() -> list[Run]:
                              bucket_mb=FSDP_BUCKET_MB), batch,
                         tokens_per_gpu=tps, executor=dict(executor="fsdp2"), optimizer="foreach",
                         notes="the presets' norms, tp 1 and the table's batch (the table names neither)"))
+    # its 405B (Llama 3.1 table, bf16 row; train_configs/llama3_405b.toml at 3faaa1a0d): FSDP 16 x TP 8 with sequence
+    # parallelism and a loss-parallel head, full recompute, local batch 2 of 8K tokens, the preset's compiled blocks
+    # and float32 RMSNorm, on the same 500 W H100s as the 8B's
+    runs.append(Run("torchtitan llama3 405B full h100 fsdp16 tp8", "torchtitan-2024", "405B full", MODELS["llama3-405b"],
+                    titan(128), 8192, 32,
+                    dict(dp=16, tp=8, sequence_parallel=True, zero=3, recompute="full", microbatches=1,
+                         reduce_dtype=FP32, bucket_mb=FSDP_BUCKET_MB), 2,
+                    tokens_per_gpu=109, executor=dict(executor="fsdp2"), optimizer="foreach",
+                    notes="the preset's compile and norm (the table names neither)"))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's
     # checkpoint (the README says its tables still await a torch 2.0 rerun), which reran a block's whole
