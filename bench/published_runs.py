@@ -221,14 +221,13 @@ def corpus() -> list[Run]:
     # block fully recomputed, the rest kept whole) have no planner equivalent and are left out.
     llama2_13b = llama_like("llama2-13b", 40, 5120, 40, 40, 13824, 32000)
     llama2_70b = llama_like("llama2-70b", 80, 8192, 64, 8, 28672, 32000)
-    for label, spec, seq, batch, recompute, tps in (
-            ("llama3 8B selective op", MODELS["llama3-8b"], 8192, 1, "selective-alternate", 2973),
-            ("llama3 70B full", MODELS["llama3-70b"], 8192, 1, "full", 331),
-            ("llama2 13B no recompute", llama2_13b, 4096, 2, None, 2162),
-            ("llama2 13B selective op", llama2_13b, 4096, 2, "selective-alternate", 1904),
-            ("llama2 70B selective op", llama2_70b, 4096, 1, "selective-alternate", 355),
-            ("llama2 70B full", llama2_70b, 4096, 2, "full", 353)):
-        fused_norm = spec.hidden < 8192
+    for label, spec, fused_norm, seq, batch, recompute, tps in (
+            ("llama3 8B selective op", MODELS["llama3-8b"], True, 8192, 1, "selective-alternate", 2973),
+            ("llama3 70B full", MODELS["llama3-70b"], False, 8192, 1, "full", 331),
+            ("llama2 13B no recompute", llama2_13b, True, 4096, 2, None, 2162),
+            ("llama2 13B selective op", llama2_13b, True, 4096, 2, "selective-alternate", 1904),
+            ("llama2 70B selective op", llama2_70b, False, 4096, 1, "selective-alternate", 355),
+            ("llama2 70B full", llama2_70b, False, 4096, 2, "full", 353)):
         runs.append(Run(f"torchtitan {label} a100 fsdp64", "torchtitan-2024", label,
                         replace(spec, norm_float32=not fused_norm), Cluster(64, device="a100"), seq, batch * 64,
                         dict(dp=64, zero=3, recompute=recompute, microbatches=1, reduce_dtype=FP32,
