@@ -135,7 +135,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     down = 0 if moe else 1  # selective keeps the MLP's (reduced) output; a mixture's is per slot, below
     # the two norms' kept tensors: Hugging Face's RMSNorm computes in float32 (x*rsqrt and the output);
     # LayerNorm and a fused RMSNorm keep one tensor of the activations' size, with mean and rstd or rstd alone
-    if spec.norm == "rmsnorm" and spec.norm_float32:
+    if spec.keeps_float32_norm:
         norm_bytes, stats = 4 * FLOAT32, 2 * FLOAT32
     else:
         norm_bytes, stats = 2 * act_bytes, (2 if spec.norm == "rmsnorm" else 4) * FLOAT32
@@ -196,7 +196,7 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
     shard = np.where(sp == 1, tp, 1)
     rotary = 2 * seq_local * (spec.hidden // spec.heads) * act_bytes if spec.norm == "rmsnorm" else 0
     first = act_bytes * sbh / shard + rotary
-    if spec.norm == "rmsnorm" and spec.norm_float32:  # float32 x*rsqrt and output, rsqrt
+    if spec.keeps_float32_norm:  # float32 x*rsqrt and output, rsqrt
         norm = (2 * FLOAT32 * sbh + FLOAT32 * tokens) / shard
     else:  # output, mean and rstd (a fused RMSNorm: one tensor and rstd)
         norm = (act_bytes * sbh + (1 if spec.norm == "rmsnorm" else 2) * FLOAT32 * tokens) / shard

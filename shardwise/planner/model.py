@@ -97,6 +97,12 @@ class ModelSpec:
                               "'layernorm' or 'rmsnorm'")
 
     @property
+    def keeps_float32_norm(self) -> bool:
+        """Whether the norms keep float32 tensors (Hugging Face's RMSNorm) rather than one of the
+        activations' size (LayerNorm, a fused RMSNorm)."""
+        return self.norm == "rmsnorm" and self.norm_float32
+
+    @property
     def params(self) -> int:
         return self.layers * (sum(self.layer_params) + self.expert_params) + sum(self.embed_params) + sum(self.head_params)
 
