@@ -172,6 +172,18 @@ def _bf16_grids(spec: ModelSpec, groups, global_batch: int):
 SCHEDULES_EVERY_STACK_HAD = (SCHEDULE_CODES["1f1b"], SCHEDULE_CODES["interleaved-1f1b"])
 
 
+def own_choices(grid, config: sw.ParallelConfig) -> np.ndarray:
+    """The grid's layouts with the published config's recompute and sequence parallelism."""
+    return (grid.recompute == RECOMPUTE_CODES[config.recompute]) & (grid.sp == int(config.sequence_parallel))
+
+
+def software_choices(grid, config: sw.ParallelConfig) -> np.ndarray:
+    """The grid's layouts the published run's software could have chosen: its recompute, sp and
+    ZeRO stage, and (pipelined) a schedule every stack had."""
+    return own_choices(grid, config) & (grid.zero == config.zero) & (
+        (grid.pp == 1) | np.isin(grid.schedule, SCHEDULES_EVERY_STACK_HAD))
+
+
 def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     """Where the run's predicted seconds per sequence stand among the bf16 layouts the search
     considers for its batch, as (position, fitting layouts, the fastest one's seconds over the
@@ -183,21 +195,15 @@ def ranks(run: Run, mine: float) -> list[tuple[int, int, float]]:
     mine = mine / run.global_batch * (1 - 1e-9)
     degrees = [(c.dp, c.tp, c.pp, c.cp)]
 
-    def own(grid):
-        return (grid.recompute == RECOMPUTE_CODES[c.recompute]) & (grid.sp == int(c.sequence_parallel))
-
-    def software(grid):
-        return own(grid) & (grid.zero == c.zero) & ((grid.pp == 1) | np.isin(grid.schedule, SCHEDULES_EVERY_STACK_HAD))
-
     out = []
-    for groups, keep in ((degrees, own), (degrees, None),
-                         (_factorizations(run.spec, run.executed_on, run.seq, True), None), (degrees, software)):
+    for groups, keep in ((degrees, own_choices), (degrees, None),
+                         (_factorizations(run.spec, run.executed_on, run.seq, True), None), (degrees, software_choices)):
         times = []
         for grid in _bf16_grids(run.spec, groups, run.global_batch):
             grid.reduce_bytes = 4 if c.reduce_dtype == torch.float32 else 0
             grid.optimizer = OPTIMIZER_CODES[run.optimizer]  # the run's software's, as predict() has it
             per_token = _per_token(run.spec, run.executed_on, run.seq, grid)
-            times.append(per_token if keep is None else np.where(keep(grid), per_token, np.inf))
+            times.append(per_token if keep is None else np.where(keep(grid, c), per_token, np.inf))
         times = np.concatenate(times) if times else np.array([])
         fitting = times[np.isfinite(times)]
         out.append((int((fitting < mine).sum()) + 1, int(fitting.size),
@@ -231,7 +237,16 @@ OWN_EXECUTION = {"megatron": "shardwise's recompute, sp, tp backward and ZeRO-2/
                  "fsdp2": "shardwise's ZeRO-0/1 gradient buffers"}
 
 
-def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
+class WalkStep(NamedTuple):
+    """One step of a walk: the group of choices it takes from the pick ("software" or a WALK
+    group; None for the published layout), what it changes, and the prediction after it."""
+
+    group: str | None
+    label: str
+    candidate: Candidate
+
+
+def walk(run: Run, pick: Candidate) -> list[WalkStep]:
     """The predictions from the run's own layout on its own software to the search's `pick`:
     then on the pick's software, then taking the pick's recompute, its ZeRO stage and gradient
     buckets, its degrees and microbatches (under 1F1B), its schedule: where the pick's gain over
@@ -241,7 +256,7 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
                                 optimizer=pick.optimizer)
 
     config, virtual = predict(run).config, run.virtual
-    steps = [("published layout", predict(run))]
+    steps = [WalkStep(None, "published layout", predict(run))]
     software = [("flash attention", run.spec.attention != pick.spec.attention),
                 ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
                 ("torch's kernels", "elementwise" in (run.executor or {})),
@@ -249,48 +264,40 @@ def walk(run: Run, pick: Candidate) -> list[tuple[str, Candidate]]:
                 (OWN_EXECUTION.get((run.executor or {}).get("executor")), "executor" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != run.optimizer)]
     if any(changed for _, changed in software):
-        steps.append((", ".join(name for name, changed in software if changed),
-                      cost(pick.spec, run.cluster, config, virtual)))
+        steps.append(WalkStep("software", ", ".join(name for name, changed in software if changed),
+                              cost(pick.spec, run.cluster, config, virtual)))
     c = pick.config
-    for label, fields in WALK:
+    for group, fields in WALK:
         changed = replace(config, **{f: getattr(c, f) for f in fields})
-        if label == "degrees":
+        if group == "degrees":
             changed, virtual = replace(changed, schedule="1f1b"), 1
             label = (f"dp{c.dp} tp{c.tp}{'+sp' if c.sequence_parallel else ''} pp{c.pp} cp{c.cp} "
                      f"mb{pick.micro_batch}x{c.microbatches}" + (" 1f1b" if c.pp > 1 else ""))
-        elif label == "schedule":
+        elif group == "schedule":
             virtual = pick.virtual
             label = c.schedule + (f"/v{virtual}" if virtual > 1 else "")
-        elif label == "recompute":
+        elif group == "recompute":
             label = f"recompute {c.recompute or 'none'}"
         else:
             label = f"zero{c.zero}" + "".join(
                 text for field, text in (("reduce_dtype", f", gradients in {str(c.reduce_dtype or c.param_dtype)[6:]}"),
                                          ("bucket_mb", f", {c.bucket_mb:g} MiB buckets"))
                 if getattr(c, field) != getattr(config, field))
-        if changed != config or virtual != steps[-1][1].virtual:
+        if changed != config or virtual != steps[-1].candidate.virtual:
             config = changed
-            steps.append((label, cost(pick.spec, run.cluster, config, virtual)))
+            steps.append(WalkStep(group, label, cost(pick.spec, run.cluster, config, virtual)))
     return steps
 
 
-def walk_groups(steps: list[tuple[str, Candidate]]) -> list[tuple[str, float]]:
-    """(group, MFU points) of each step after the published layout: its software, or a WALK group."""
-    def group(label: str) -> str:
-        if label.split("/")[0] in SCHEDULE_CODES:
-            return "schedule"
-        for prefix, name in (("recompute ", "recompute"), ("zero", "sharding"), ("dp", "degrees")):
-            if label.startswith(prefix):
-                return name
-        return "software"
-
-    return [(group(label), (after.mfu - before.mfu) * 100) for (_, before), (label, after) in zip(steps, steps[1:])]
+def walk_groups(steps: list[WalkStep]) -> list[tuple[str, float]]:
+    """(group, MFU points) of each step after the published layout."""
+    return [(after.group, (after.candidate.mfu - before.candidate.mfu) * 100) for before, after in zip(steps, steps[1:])]
 
 
-def _walk_line(steps: list[tuple[str, Candidate]]) -> str:
+def _walk_line(steps: list[WalkStep]) -> str:
     """Each step's MFU points and the time terms it moved most."""
-    parts = [f"{steps[0][1].mfu:.1%} predicted for the published layout"]
-    for (_, before), (label, after) in zip(steps, steps[1:]):
+    parts = [f"{steps[0].candidate.mfu:.1%} predicted for the published layout"]
+    for (_, _, before), (_, label, after) in zip(steps, steps[1:]):
         moved = sorted(((after.time_terms[k] - before.time_terms[k], k) for k in after.time_terms), key=lambda m: -abs(m[0]))
         terms = ", ".join(f"{TIME_LABELS[k]} {d:+.2f} s" for d, k in moved[:2] if abs(d) > 5e-3 * before.step_seconds)
         parts.append(f"{label} {(after.mfu - before.mfu) * 100:+.1f}" + (f" ({terms})" if terms else "")

@@ -49,7 +49,10 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
     """bench/planner_published.py explains a pick's MFU over a published run by walking from the
     run's layout to the pick one group of choices at a time. The walk must start at the run's own
     prediction and end at the pick's exactly, else its steps credit gains to the wrong choices.
-    Fault: a step that forgets a field (sequence parallelism with the degrees) ends elsewhere."""
+    Each step carries the group of choices it took, and the bench sums its points by that group.
+    Faults: a step that forgets a field (sequence parallelism with the degrees) ends elsewhere; one
+    filed under another group (the degrees as sharding) fails the groups' check."""
+    import dataclasses
     from dataclasses import replace
 
     import planner_published as analysis
@@ -67,20 +70,23 @@ def test_walk_from_a_published_layout_ends_at_the_pick():
         pick = search(replace(run.spec, attention="flash", fused_loss=False), run.cluster, global_batch=run.global_batch,
                       seq_len=run.seq, top=1, dtypes=(2,))[0]
         steps = analysis.walk(run, pick)
-        assert [label for label, _ in steps[:2]] == first_steps
-        assert steps[0][1].time_terms == published.predict(run).time_terms
-        last = steps[-1][1]
+        assert [step.label for step in steps[:2]] == first_steps
+        assert steps[0].candidate.time_terms == published.predict(run).time_terms
+        last = steps[-1].candidate
         assert last.config == pick.config and last.virtual == pick.virtual
         assert last.time_terms == pick.time_terms and last.memory_terms == pick.memory_terms
+        # each step's group is the choice it took, in the walk's order (the bench's medians sum by it)
         groups = analysis.walk_groups(steps)
+        order = ["software"] + [group for group, _ in analysis.WALK]
+        assert [g for g, _ in groups] == sorted({g for g, _ in groups}, key=order.index)
         assert groups[0][0] == "software" and sum(points for _, points in groups) == pytest.approx(
-            (pick.mfu - steps[0][1].mfu) * 100, rel=1e-9)
-    # the medians the bench prints sort each step by its label (fault: "zero-bubble" read as a ZeRO stage)
-    same = published.predict(runs["mpt 70b a100 seq 2048 fsdp64"])
-    labels = ["published layout", "zero-bubble/v4", "zero2, 25 MiB buckets", "recompute none", "dp8 tp2+sp pp4 cp1 mb1x256",
-              "interleaved-1f1b/v2", "flash attention"]
-    assert [g for g, _ in analysis.walk_groups([(label, same) for label in labels])] == [
-        "schedule", "sharding", "recompute", "degrees", "schedule", "software"]
+            (pick.mfu - steps[0].candidate.mfu) * 100, rel=1e-9)
+        # and changed only that group's fields (the degrees' step runs 1F1B until the schedule's)
+        for before, after in zip(steps[1:], steps[2:]):
+            changed = {f.name for f in dataclasses.fields(after.candidate.config)
+                       if getattr(before.candidate.config, f.name) != getattr(after.candidate.config, f.name)}
+            allowed = set(dict(analysis.WALK)[after.group]) | ({"schedule"} if after.group == "degrees" else set())
+            assert changed <= allowed, (after.label, changed)
 
 
 def test_published_alternatives_are_the_same_work_in_other_layouts():
@@ -112,6 +118,51 @@ def test_software_choices_keep_the_published_zero_stage():
     run = next(r for r in published.corpus() if r.name == "megatron 1.7B tp1 pp1 x32")
     own, _, _, software = analysis.ranks(run, published.predict(run).step_seconds)
     assert own[1] == 4 * software[1] > 0 and software[0] == 1
+
+
+def test_software_choices_are_schedules_every_stack_had():
+    """A pipelined run's software chose between 1F1B and interleaved stages; zero-bubble and
+    GPipe schedules (torch's pipelining has them, Megatron-LM of 2021-2022 did not) are not its
+    software's choices. Megatron's 1T row (tp8 pp64): at its degrees, recompute, sp and ZeRO
+    stage the grid holds zero-bubble layouts, none of which its software's choices keep, and
+    1F1B and interleaved ones, all of which they do. Fault: dropping the schedule filter keeps
+    zero-bubble."""
+    import planner_published as analysis
+    import shardwise as sw
+    from shardwise.planner.cost import SCHEDULE_CODES
+
+    run = next(r for r in published.corpus() if r.name == "megatron 1008.0B tp8 pp64 x3072")
+    c = sw.ParallelConfig(**run.config).resolve(run.cluster.gpus)
+    grid = next(analysis._bf16_grids(run.spec, [(c.dp, c.tp, c.pp, c.cp)], run.global_batch))
+    same_stage = analysis.own_choices(grid, c) & (grid.zero == c.zero)
+    kept = analysis.software_choices(grid, c)
+    zero_bubble, one_f_one_b, interleaved = (grid.schedule == SCHEDULE_CODES[s]
+                                             for s in ("zero-bubble", "1f1b", "interleaved-1f1b"))
+    assert (same_stage & zero_bubble).any() and not (kept & zero_bubble).any()
+    assert (kept & interleaved).any() and (kept == same_stage & (one_f_one_b | interleaved)).all()
+
+
+def test_runs_are_charged_their_own_optimizer():
+    """torchtitan's runs stepped torch's foreach AdamW (its `--optimizer.fused` is off by
+    default), the rest a fused Adam. `Run.optimizer` reaches the prediction (a foreach step moves
+    the float32 states in nine passes, a fused one in one) and the rankings' grids, where the
+    published layout meets itself at its own time: torchtitan's 8B on 8 GPUs is the fastest of
+    its recompute and sp, Megatron's 1.7B (fused) of its software's choices. Faults: predict() or ranks() charging every run a fused step."""
+    import dataclasses
+
+    import planner_published as analysis
+
+    runs = published.corpus()
+    assert {r.optimizer for r in runs if r.source.startswith("torchtitan")} == {"foreach"}
+    assert {r.optimizer for r in runs if not r.source.startswith("torchtitan")} == {"fused"}
+    run = next(r for r in runs if r.name == "torchtitan 8B fsdp8 eager")
+    foreach, fused = published.predict(run), published.predict(dataclasses.replace(run, optimizer="fused"))
+    assert foreach.time_terms["optimizer_step"] > 2 * fused.time_terms["optimizer_step"]
+    own = analysis.ranks(run, foreach.step_seconds)[0]
+    assert own[0] == 1 and own[2] == pytest.approx(1, rel=1e-6)
+    megatron = next(r for r in runs if r.name == "megatron 1.7B tp1 pp1 x32")  # fused, fastest of its software's
+    software = analysis.ranks(megatron, published.predict(megatron).step_seconds)[3]
+    assert software[0] == 1 and software[2] == pytest.approx(1, rel=1e-6)
 
 
 def test_elementwise_count_reads_and_writes_every_op_but_matmuls_and_views():
