@@ -28,7 +28,8 @@ CHARGED_APART = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_att
                  "_scaled_dot_product_cudnn_attention"}
 # aliases of their input: no bytes move
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
-         "select", "split", "split_with_sizes", "unbind", "alias", "detach", "as_strided", "_reshape_alias"}
+         "select", "split", "split_with_sizes", "unbind", "alias", "detach", "as_strided", "_reshape_alias",
+         "view_as_complex", "view_as_real"}
 TOKENS, HIDDEN = 256, 512
 
 

@@ -168,7 +168,8 @@ def test_runs_are_charged_their_own_optimizer():
 def test_elementwise_count_reads_and_writes_every_op_but_matmuls_and_views():
     """bench/elementwise_count.py's counter, which sets the fitted eager charge against what a
     block's ops move: an add of two bf16 tensors reads two values an element and writes one, a
-    cast to float32 reads two bytes and writes four, a view moves nothing, a matmul is charged apart."""
+    cast to float32 reads two bytes and writes four, a view moves nothing (nor does reading a
+    float32 pair as a complex number and back), a matmul is charged apart."""
     from elementwise_count import ElementwiseBytes
 
     x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 8, dtype=torch.bfloat16)
@@ -176,5 +177,6 @@ def test_elementwise_count_reads_and_writes_every_op_but_matmuls_and_views():
     with counter:
         (x + x).view(8, 4)
         x @ w
-        x.float()
+        y = x.float()
+        torch.view_as_real(torch.view_as_complex(y.view(4, 4, 2)))  # complex rotary's reinterpretations
     assert counter.by_op == {"add": 3 * 32 * 2, "_to_copy": 32 * (2 + 4)}
