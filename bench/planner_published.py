@@ -234,7 +234,7 @@ WALK = (("recompute", ("recompute",)), ("sharding", ("zero", "reduce_dtype", "bu
 OWN_EXECUTION = {"megatron": "shardwise's recompute, sp, tp backward and ZeRO-2/3 gradients freed between steps",
                  "megatron-2021": "shardwise's recompute, sp and ZeRO-2/3 gradients freed between steps",
                  "torch-1.13": "shardwise's recompute, sp and ZeRO-0/1 gradient buffers",
-                 "fsdp2": "shardwise's ZeRO-0/1 gradient buffers"}
+                 "fsdp2": "shardwise's ZeRO-0/1 gradient buffers and its gathers without copies"}
 
 
 class WalkStep(NamedTuple):

@@ -375,7 +375,7 @@ def test_zero_grad_frees_gradients_between_steps():
     (Llama 3 8B at 2 x 8K tokens a rank) that is the step's peak. So under ZeRO-3 shardwise's
     prediction equals Cluster(executor="fsdp2")'s, and under ZeRO-1 it is the loss's transients
     above the fsdp2 executor's (they fit in the space the kept float32 gradients take); the time
-    is the same. On one rank nothing reduces into buffers, so both agree.
+    is the same but for FSDP2's copies. On one rank nothing reduces into buffers, so both agree.
     bench/planner_torchtitan.py measured torchtitan's own step on CPU ranks: within 0.7% under
     "fsdp2" (10.8% over with the gradients kept, before the executor freed them); test_zero.py
     checks that shardwise's ZeRO-2/3 hold none after zero_grad. Faults: the field ignored makes
@@ -390,7 +390,7 @@ def test_zero_grad_frees_gradients_between_steps():
                                         global_batch=16) for e in ("shardwise", "fsdp2")]
     ours, fsdp2 = cases[3]
     assert ours.memory_terms["grads"] == pytest.approx(4 * spec.params / 8, rel=1e-12)
-    assert ours.memory == fsdp2.memory and ours.time_terms == fsdp2.time_terms
+    assert ours.memory == fsdp2.memory
     ours, fsdp2 = cases[1]
     assert ours.memory_terms["grads"] == pytest.approx(4 * spec.params, rel=1e-12)
     # the loss's two float32 gradients of the logits (2 x 8K tokens x 128K) weigh less than that:
@@ -398,7 +398,10 @@ def test_zero_grad_frees_gradients_between_steps():
     logits_grads = 2 * 4 * 2 * 8192 * spec.vocab
     assert logits_grads < ours.memory_terms["grads"]
     assert ours.memory - fsdp2.memory == pytest.approx(logits_grads, rel=1e-9)
-    assert fsdp2.time_terms == ours.time_terms
+    for ours, fsdp2 in cases.values():  # in time FSDP2 adds only its copies (tests/test_planner_time.py counts them)
+        assert {k: v for k, v in ours.time_terms.items() if k != "dp_comm"} == {
+            k: v for k, v in fsdp2.time_terms.items() if k != "dp_comm"}
+        assert fsdp2.time_terms["dp_comm"] > ours.time_terms["dp_comm"]
     alone = sw.ParallelConfig(dp=1, recompute="selective-alternate", param_dtype=torch.bfloat16)
     assert sw.plan.evaluate(spec, Cluster(1, device="h100", executor="fsdp2"), alone, seq_len=8192,
                             global_batch=2).memory_terms == sw.plan.evaluate(spec, Cluster(1, device="h100"), alone,

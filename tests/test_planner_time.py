@@ -180,6 +180,25 @@ def test_zero3_gathers_hide_behind_big_microbatches():
     assert float(small.dp_comm) > 0.05 * float(small.step_seconds)  # over the network at 64 ranks: visible
 
 
+def test_fsdp2_copies_its_gathers_out_and_its_gradients_in():
+    """FSDP2 (Cluster(executor="fsdp2")) copies each gathered buffer out into the parameters
+    (split_with_sizes_copy: read and write, 2 x 2 bytes a bf16 element) and each reduction's
+    gradients into the reduce-scatter's buffer in the reduction's dtype (chunk_cat: read 2, write
+    4 for float32), at the HBM's rate on the compute stream. An 8B Llama on 8 H100s, 2
+    microbatches, against shardwise's, which gathers into the parameters' own buffers: ZeRO-3
+    gathers twice a microbatch and reduces once, 8.03e9 x (2 x 2 x 4 + 2 x 6) bytes more;
+    ZeRO-2 (FSDP2's reshard_after_forward=False) gathers once a step and reduces every
+    microbatch, 8.03e9 x (4 + 2 x 6); unsharded (DDP) nothing changes. Faults: the copies
+    charged once a step, or without sharding, fail it."""
+    spec, hbm = model_spec("llama3-8b"), 3.35e12
+    terms = {executor: {zero: _terms(dp=8, zero=zero, microbatches=2, reduce_bytes=4,
+                                     cluster=Cluster(8, device="h100", executor=executor)) for zero in (0, 2, 3)}
+             for executor in ("fsdp2", "shardwise")}
+    for zero, copied in ((3, 2 * 2 * 4 + 2 * 6), (2, 4 + 2 * 6), (0, 0)):
+        assert float(terms["fsdp2"][zero].dp_comm - terms["shardwise"][zero].dp_comm) == pytest.approx(
+            spec.params * copied / hbm, rel=1e-9, abs=0)
+
+
 def test_attention_costs_flash_attentions_rate():
     """Causal attention's 2·tokens·seq·h forward FLOPs are charged at flash attention's rate: its
     backward does 2.5x the forward's FLOPs at 0.7 of its speed, (1 + 2.5/0.7)/3 = 1.52 times a

@@ -112,6 +112,12 @@ class Executor(NamedTuple):
     # gradient all-reduces with back-propagation"). Otherwise the reduction runs beside the last
     # microbatch's backward (shardwise's buckets, DDP's).
     dp_reduce_after_backward: bool = False
+    # ZeRO 1-3 copy on the compute stream, at HBM speed with nothing beside them: each gathered buffer
+    # out into the parameters (2 x their bytes an element: a read and a write) and each unit's
+    # gradients into the reduce-scatter's buffer in the reduction's dtype (FSDP2's split_with_sizes_copy
+    # and chunk_cat; its ZeRO-2 is reshard_after_forward=False). shardwise's and DeepSpeed's gather into
+    # buffers the parameters are views of.
+    shard_copies: bool = False
 
 
 SHARDWISE_EXECUTOR = Executor(full_reruns_last=False, selective_reruns_partials=True, sp_gather_hidden=True,
@@ -133,9 +139,10 @@ EXECUTORS = {
     # Composer's trainer calls zero_grad(set_to_none=True) before each batch
     "torch-1.13": Executor(full_reruns_last=True, selective_reruns_partials=True, sp_gather_hidden=False,
                            recompute_gathers=True, zero3_cast_shard=False, grads_kept_below_zero=0),
-    # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers, its
-    # gradients freed by zero_grad(set_to_none=True) between steps at every stage
-    "fsdp2": SHARDWISE_EXECUTOR._replace(grads_kept_below_zero=0),
+    # torchtitan's FSDP2 (its published Llama 3 runs): shardwise's recompute and ZeRO-3 gathers with
+    # FSDP2's copies around them, its gradients freed by zero_grad(set_to_none=True) between steps at
+    # every stage
+    "fsdp2": SHARDWISE_EXECUTOR._replace(grads_kept_below_zero=0, shard_copies=True),
 }
 
 
