@@ -147,7 +147,8 @@ def test_runs_are_charged_their_own_optimizer():
     default), the rest a fused Adam. `Run.optimizer` reaches the prediction (a foreach step moves
     the float32 states in nine passes, a fused one in one) and the rankings' grids, where the
     published layout meets itself at its own time: torchtitan's Llama 2 13B without recompute is
-    the fastest of its recompute and sp, Megatron's 1.7B (fused) of its software's choices. Faults: predict() or ranks() charging every run a fused step."""
+    the fastest of its recompute and sp, Megatron's 1.7B (fused) of its software's choices.
+    Faults: predict() or ranks() charging every run a fused step."""
     import dataclasses
 
     import planner_published as analysis

@@ -27,9 +27,9 @@ reduction overlaps the last microbatch's backward (ZeRO-1/2's all-gather of the 
 parameters follows the optimizer step, exposed, as shardwise runs it); ZeRO-3's per-block gathers (forward,
 backward) and gradient reduce-scatters overlap that block's compute, block by block, and
 the first block's gather of each pass is exposed (FSDP2 also copies each gathered buffer out
-and each unit's gradients in, on the compute stream: `Executor.shard_copies`). Selective recompute runs a block's
-elementwise work again and the matmuls whose outputs it does not keep (`rerun_matmul_seconds`)
-(Megatron-LM's its attention core only: `attention_core`);
+and each unit's gradients in, on the compute stream: `Executor.shard_copies`). Selective
+recompute runs a block's elementwise work again and the matmuls whose outputs it does not
+keep (`rerun_matmul_seconds`) (Megatron-LM's its attention core only: `attention_core`);
 full recompute the forward but its last matmul, where torch's checkpoint stops (other stacks:
 `Cluster.executor`). The optimizer step streams the rank's
 shard of parameters, gradients, moments and master weights through HBM: once for a fused
@@ -311,11 +311,12 @@ def step_times(spec: ModelSpec, cluster: Cluster, L, seq_len: int, memory) -> tu
     # FSDP2's copies (Executor.shard_copies): each gathered buffer out into the parameters (ZeRO-3: the two
     # gathers a microbatch charged above, where the root and the last block are gathered once; ZeRO-1/2: the
     # step's one gather) and each reduction's gradients into its buffer
-    gathers = np.where(L.zero == 3, 2 * L.microbatches, 1)
-    reduced = np.where(L.zero == 3, np.where(L.pp == 1, L.microbatches, 1), reductions)
-    copies = rank_params * (gathers * 2 * L.param_bytes + reduced * (L.param_bytes + L.grad_bytes)) / cluster.spec.hbm_bw
-    dp_comm = np.where(L.zero == 3, zero3, reductions * exposed + gather_after_step) + np.where(
-        runs.shard_copies & (L.zero >= 1), copies, 0.0)
+    dp_comm = np.where(L.zero == 3, zero3, reductions * exposed + gather_after_step)
+    if runs.shard_copies:
+        gathers = np.where(L.zero == 3, 2 * L.microbatches, 1)
+        reduced = np.where(L.zero == 3, np.where(L.pp == 1, L.microbatches, 1), reductions)
+        copied = rank_params * (gathers * 2 * L.param_bytes + reduced * (L.param_bytes + L.grad_bytes))
+        dp_comm = dp_comm + np.where(L.zero >= 1, copied / cluster.spec.hbm_bw, 0.0)
 
     optimizer_step = rank_params / np.where(L.zero >= 1, shards, 1) * optimizer_bytes(L, cluster.runs.zero3_cast_shard) / cluster.spec.hbm_bw
     return compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, bubble, dp_comm, optimizer_step, model_flops
