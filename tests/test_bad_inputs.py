@@ -1,8 +1,8 @@
 """A catalogue of bad inputs and faults: each ends in a clear ShardwiseError, the same on
 every rank and within seconds, or in the right result. This file: the single-process cases,
-each run in the test process. Multi-rank cases: test_bad_inputs_ranks.py; checkpoints, merge
-and the command line: test_bad_inputs_files.py; a rank that raises, exits or stalls:
-test_bad_inputs_peers.py.
+each run in the test process. Multi-rank cases: bad_inputs_rank_cases.py, run by
+test_bad_inputs_ranks.py; checkpoints, merge and the command line: test_bad_inputs_files.py;
+a rank that raises, exits or stalls: test_bad_inputs_peers.py.
 """
 
 from __future__ import annotations
