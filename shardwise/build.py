@@ -29,6 +29,7 @@ from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
 from .errors import ConfigError, ModelError, ShardwiseError
 from .module import ParallelModule, forward_context
+from .optim import refuse_plain_optimizers
 from .parallel.context.sequence import (ContextParallel, SequenceShards, check_attention, refuse_shifted_labels,
                                         shard_batch, whole_sequence_draws)
 from .groups import running
@@ -266,11 +267,13 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
     buffers = None
     if config.broadcast_buffers and topology.size("dp", "cp") > 1 and any(True for _ in module.buffers()):
         buffers = BufferBroadcast(module, topology.group("dp", "cp"), topology.group_ranks("dp", "cp")[0])
-    return ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
-                          pipeline=pipeline, gradients=gradients, param_shards=param_shards,
-                          optimizer_params=optimizer_params, recomputed=recomputed,
-                          context_parallel=context_parallel, buffers=buffers, expert_parallel=expert_parallel,
-                          router_logits=router_logits)
+    pmodel = ParallelModule(module, topology, plan, resolved, index, tensor_parallel=tensor_parallel,
+                            pipeline=pipeline, gradients=gradients, param_shards=param_shards,
+                            optimizer_params=optimizer_params, recomputed=recomputed,
+                            context_parallel=context_parallel, buffers=buffers, expert_parallel=expert_parallel,
+                            router_logits=router_logits)
+    refuse_plain_optimizers(pmodel)
+    return pmodel
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

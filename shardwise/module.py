@@ -177,10 +177,11 @@ class ParallelModule(nn.Module):
             raise ConfigError("train_step(reduce='tokens') inside no_sync(): the token total that weights the "
                               "gradients is only known at the synchronizing step; accumulate with microbatches")
         self.steps += 1
-        if self.config.zero and not self.optimizers and self.steps == 1:
-            warnings.warn(f"zero={self.config.zero}: gradients live in the optimizer's shards, so only an optimizer built "
-                          "with sw.build_optimizer(pmodel, ...) sees them; a plain torch optimizer would not update "
-                          "anything", stacklevel=2)
+        if self.steps == 1 and not self.optimizers and self.gradients.outside_grad():
+            warnings.warn(f"zero={self.config.zero}, param_dtype={self.config.param_dtype}, reduce_dtype="
+                          f"{self.config.reduce_dtype}: gradients live in ZeRO's shards or float32 buckets, not in "
+                          ".grad, so only an optimizer built with sw.build_optimizer(pmodel, ...) sees them (a plain "
+                          "torch optimizer is refused at its step)", stacklevel=2)
         parts = self.config.microbatches
         op = "train_step" if reduce == "mean" else f"train_step(reduce={reduce!r})"  # ranks must reduce alike
         step = self.agree_on_batch(op, batch, parts, self._checking())

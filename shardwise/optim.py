@@ -4,15 +4,21 @@ The returned object is an instance of the requested optimizer class (constructed
 subclass of it with `ParallelOptimizer` mixed in), so learning-rate schedulers,
 `state_dict()` and user code that checks types keep working. `step()` first completes any pending gradient synchronization; `zero_grad()`
 zeroes the gradient buckets in place; `clip_grad_norm()` clips by the global norm.
+
+`refuse_plain_optimizers`: a torch optimizer built without `build_optimizer` over parameters
+whose gradients shardwise keeps outside `.grad` would read None and update nothing; it is
+refused at its first step instead.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import trace_range
 from .errors import ConfigError, ShardwiseError
@@ -227,3 +233,35 @@ def _check_params_belong(pmodel: nn.Module, params: list[Any]) -> None:
                     f"a parameter of shape {tuple(tensor.shape)} passed to build_optimizer is not a parameter of "
                     "the ParallelModule; build parameter groups from pmodel.named_parameters()"
                 )
+
+
+def refuse_plain_optimizers(pmodel: ParallelModule) -> None:
+    """Make a torch optimizer not built with `build_optimizer` raise at `step()` if it holds a
+    parameter of `pmodel` whose gradient lives outside `.grad`: ZeRO's shards, or the float32
+    buckets of low-precision parameters reduced in float32. Such an optimizer would find
+    `.grad` None and silently update nothing.
+
+    torch calls global step pre-hooks for every optimizer; this one costs one set test over
+    the optimizer's parameters a step, is registered only where such gradients exist, and is
+    removed when `pmodel` is collected (it holds no reference to it)."""
+    c = pmodel.config
+    where = (f"zero={c.zero}: gradients live in the optimizer's shards" if pmodel.optimizer_params.zero.stage else
+             f"param_dtype={c.param_dtype} with reduce_dtype={c.reduce_dtype}: gradients are reduced in "
+             f"{c.reduce_dtype} buckets, not in the parameters' .grad")
+    held = {id(p) for p in pmodel.gradients.outside_grad()}
+    if not held:
+        return
+    names = {id(p): name for name, p in pmodel.module.named_parameters() if id(p) in held}
+
+    def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if isinstance(optimizer, ParallelOptimizer):
+            return
+        for group in optimizer.param_groups:
+            if not held.isdisjoint(map(id, group["params"])):
+                name = next(names[id(p)] for p in group["params"] if id(p) in held)
+                raise ConfigError(
+                    f"{type(optimizer).__name__} (a plain torch optimizer) steps parameters of a ParallelModule, "
+                    f"e.g. {name!r}, whose gradients it cannot see ({where}), so it would update nothing. Build it "
+                    f"with sw.build_optimizer(pmodel, torch.optim.{type(optimizer).__name__}, ...) instead")
+
+    weakref.finalize(pmodel, register_optimizer_step_pre_hook(refuse).remove)

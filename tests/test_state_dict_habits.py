@@ -1,5 +1,5 @@
-"""Users' state-dict habits on a ParallelModule: `torch.save(pm.state_dict())` and
-`pm.load_state_dict(...)` work in every ZeRO stage, or are refused.
+"""Users' state-dict and optimizer habits on a ParallelModule: `torch.save(pm.state_dict())`,
+`pm.load_state_dict(...)` and a plain torch optimizer work in every ZeRO stage, or are refused.
 
 Under ZeRO-3 the parameters between steps are views of freed storage; `state_dict()` used to
 hand those out (torch.save wrote 6 KB for a 424 KB model and could not read it back). Under
@@ -11,6 +11,7 @@ shard is the master, refilled by a load and left unrounded by `state_dict()`.
 from __future__ import annotations
 
 import io
+import re
 
 import torch
 
@@ -97,3 +98,78 @@ def test_optimizer_step_hooks_run_once_per_step():
     twice once torch had wrapped the base class's step as well as ours)."""
     once = ["global pre", "pre", "post", "global post"]
     assert sw.testing.run_on_ranks(_hook_calls, 2, 1) == [once * 2] * 2
+
+
+NAMES = {name for name, _ in make_gpt(0).named_parameters()}
+# (label, config, whether a plain torch optimizer can see the gradients) on 2 ranks
+PLAIN_OPTIMIZER_LAYOUTS = (
+    ("float32, zero=0", dict(), True),
+    ("bfloat16 reduced in bfloat16", dict(param_dtype=torch.bfloat16), True),
+    ("bfloat16 reduced in float32", dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False),
+    ("zero=1", dict(zero=1), False),
+    ("zero=3, bfloat16", dict(zero=3, param_dtype=torch.bfloat16), False),
+)
+
+
+def _plain_optimizer_step(config: dict, plain: bool):
+    """One train_step then one optimizer step, by a plain torch SGD or one sw.build_optimizer
+    built; returns what happened, the warnings train_step gave and the full state after it."""
+    import warnings
+
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1) if plain else sw.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    index, count = sw.data_parallel_info(pm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.train_step(replica_slice(gpt_batches(1, 8)[0], index, count))
+    try:
+        opt.step()
+        outcome = "stepped"
+    except sw.ConfigError as error:
+        outcome = str(error)
+    return outcome, [str(w.message) for w in caught if "build_optimizer" in str(w.message)], pm.full_state_dict()
+
+
+def _plain_optimizers():
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    hooks = len(_global_optimizer_pre_hooks)
+    before = make_gpt(0).state_dict()
+    results = []
+    for _, config, _ in PLAIN_OPTIMIZER_LAYOUTS:
+        plain, plain_warned, plain_after = _plain_optimizer_step(config, plain=True)
+        built, _, built_after = _plain_optimizer_step(config, plain=False)
+        changed = lambda after: sorted(k for k in after if not after[k].float().equal(before[k]))  # noqa: E731
+        diff = max((plain_after[k].float() - built_after[k].float()).abs().max().item() for k in built_after)
+        results.append((plain, plain_warned, built, changed(plain_after), changed(built_after), diff))
+    gc.collect()
+    return results, len(_global_optimizer_pre_hooks) - hooks
+
+
+def test_a_plain_torch_optimizer_steps_what_it_can_see_or_is_refused():
+    """A torch optimizer built without sw.build_optimizer reads `.grad`. Under ZeRO, or with
+    bfloat16 parameters reduced in float32, the gradients live elsewhere and it used to update
+    nothing without a word; it is now refused at its step, naming the fix, on every rank (and
+    train_step warns first). Where it can see them it takes the step sw's SGD takes: the same
+    parameters change, bit for bit in float32 (both apply the same SGD update to the same reduced
+    gradient and weights). No refusal hook outlives its ParallelModule."""
+    per_rank = sw.testing.run_on_ranks(_plain_optimizers, 2)
+    for rank, (results, hooks_left) in enumerate(per_rank):
+        assert hooks_left == 0, f"rank {rank}: {hooks_left} optimizer step hooks outlived their ParallelModule"
+        for (label, _, visible), (plain, warned, built, plain_changed, built_changed, diff) in \
+                zip(PLAIN_OPTIMIZER_LAYOUTS, results):
+            assert built == "stepped", f"{label}, rank {rank}: sw.build_optimizer's SGD failed: {built}"
+            assert len(built_changed) > 20, f"{label}, rank {rank}: sw's SGD changed only {built_changed}"
+            if visible:
+                assert plain == "stepped", f"{label}, rank {rank}: plain SGD refused: {plain}"
+                assert not warned, f"{label}, rank {rank}: train_step warned: {warned}"
+                assert plain_changed == built_changed, f"{label}, rank {rank}: {plain_changed} != {built_changed}"
+                if label.startswith("float32"):
+                    assert diff == 0.0, f"{label}, rank {rank}: plain SGD differs from sw's by {diff}"
+            else:
+                assert "sw.build_optimizer(pmodel, torch.optim.SGD" in plain, f"{label}, rank {rank}: {plain}"
+                named = re.search(r"e\.g\. '([^']+)'", plain)
+                assert named and named[1] in NAMES, f"{label}: the refusal names no parameter of the model: {plain}"
+                assert len(warned) == 1, f"{label}, rank {rank}: train_step's warnings {warned}"

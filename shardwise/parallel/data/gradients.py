@@ -420,6 +420,12 @@ class GradientBuckets:
                     if not bucket.casts_grads and not bucket.sharded:
                         param.grad = as_grad(param, view)
 
+    def outside_grad(self) -> list[nn.Parameter]:
+        """Parameters whose reduced gradient lives outside `.grad`: in ZeRO's shards, or in the
+        float32 bucket of a parameter of lower precision (`sw.build_optimizer`'s optimizers read
+        them there; `full_grad_dict()` gathers them)."""
+        return [p for b in self.buckets if b.sharded or b.casts_grads for p in b.params]
+
     def describe(self) -> list[str]:
         return [
             f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB "
