@@ -167,7 +167,8 @@ class Plan:
     divide_by_tp: integer module attributes a forward uses for local shapes (e.g. GPT-2's
         "h.*.attn.split_size"), divided by tp on each rank.
     applies_to: class name the patterns are relative to; the plan then applies to every
-        instance of that class wherever it sits in the module tree (zoo plans use this).
+        instance of that class (or of a subclass) wherever it sits in the module tree (zoo
+        plans use this).
     parts: submodule paths the plan parallelizes (an LLM inside a larger model); everything
         else stays replicated and data-parallel. Sharding, recompute and the pipeline's layer
         list are looked for inside them only. Empty: the whole model.

@@ -47,7 +47,9 @@ def _regex(pattern: str, root: str) -> re.Pattern:
 def _roots(module: nn.Module, plan: Plan) -> list[str]:
     if plan.applies_to is None:
         return [""]
-    roots = [path for path, m in module.named_modules() if type(m).__name__ == plan.applies_to]
+    # a subclass (a model whose forward a user changed, e.g. to return a token count) keeps its base's layout
+    roots = [path for path, m in module.named_modules()
+             if any(c.__name__ == plan.applies_to for c in type(m).__mro__)]
     if not roots:
         found = sorted({type(m).__name__ for _, m in module.named_modules()})
         raise PlanError(
