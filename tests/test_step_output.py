@@ -5,7 +5,10 @@ one process, judged by tests/parity.py's bounds:
 - reduce="tokens": labels are masked unevenly (replica 0 keeps far more than replica 1, and
   its microbatches differ), the forward returns (mean loss over its tokens, token count);
   losses and gradients must be one process's mean over all the step's tokens at once. The
-  same at tp=2 with nothing sharded (dp=1: no replica to weight), and under ZeRO-2 and 3, whose
+  same at tp=2 with nothing sharded (dp=1: no replica to weight); at tp=2 with the GPT sharded
+  and sequence parallel, where only the norms' tp-partial gradients are bucketed and the
+  sharded weights, reduced over no replica, must take the token weight too (they were left
+  unweighted, 128x the gradient, while the bucketed norms were right); and under ZeRO-2 and 3, whose
   first microbatch is reduced into the shards before the token total that weights it is known
   (the shards' sum is rescaled when it is: left as reduced, the step's gradient is off by the
   first microbatch's share).
@@ -22,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from parity import EPS_LOSS, SGD, Run, assert_parity, reference_run, replica_slice
+from parity import EPS_LOSS, SGD, Run, assert_parity, gpt_batches, reference_run, replica_slice
+from shardwise.models.gpt import GPT, GPTConfig
 
 STEPS = 3
 VOCAB, WIDTH, BATCH, SEQ = 16, 8, 8, 6
@@ -40,6 +44,19 @@ class TokenModel(nn.Module):
         logits = self.head(torch.tanh(self.emb(batch["ids"])))
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         return (loss, (batch["labels"] != -100).sum()) if self.count_tokens else (loss, logits)
+
+
+class CountingGPT(GPT):
+    """Our GPT returning (mean loss, token count), as a user's subclass does for reduce="tokens";
+    the "gpt" plan applies to it as to its base class."""
+
+    def forward(self, batch):
+        return super().forward(batch), batch[:, 1:].numel()
+
+
+def counting_gpt() -> CountingGPT:
+    torch.manual_seed(0)
+    return CountingGPT(GPTConfig())
 
 
 def counting() -> TokenModel:
@@ -89,8 +106,9 @@ def _train(config: dict, factory, batches, reduce: str, plan=None):
     return run, outputs
 
 
-def _layouts(masked, plain, empty):
+def _layouts(masked, plain, empty, gpt):
     return {"tokens": _train({}, counting, masked, "tokens"),
+            "tokens tp2 sp": _train({"tp": 2, "sequence_parallel": True}, counting_gpt, gpt, "tokens", plan="gpt"),
             "tokens, replica 1 all ignored": _train({}, counting, empty, "tokens"),
             "tokens tp2": _train({"tp": 2}, counting, masked, "tokens", plan=sw.Plan(name="none")),
             "tokens zero2": _train({"zero": 2}, counting, masked, "tokens"),
@@ -100,12 +118,15 @@ def _layouts(masked, plain, empty):
 
 def test_token_weighted_summed_and_concatenated_outputs():
     masked, plain, empty = token_batches(True), token_batches(False), token_batches(True, empty_replica=True)
+    gpt = gpt_batches(STEPS, BATCH)
     want_tokens = reference_run(counting, masked, loss=whole_batch_loss)
+    want_gpt = reference_run(counting_gpt, gpt, loss=whole_batch_loss)
     want_empty = reference_run(counting, empty, loss=whole_batch_loss)
     want_sum = reference_run(logits_model, plain, loss=summed_slices)
     first = logits_model()
-    for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain, empty)):
-        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("tokens zero2", want_tokens),
+    for rank, runs in enumerate(sw.testing.run_on_ranks(_layouts, 2, masked, plain, empty, gpt)):
+        for name, want in (("tokens", want_tokens), ("tokens tp2", want_tokens), ("tokens tp2 sp", want_gpt),
+                           ("tokens zero2", want_tokens),
                            ("tokens zero3", want_tokens), ("sum", want_sum),
                            ("tokens, replica 1 all ignored", want_empty)):
             got, outputs = runs[name]

@@ -97,6 +97,7 @@ class GradientBuckets:
         ]
         self._index = {p: i for i, p in enumerate(params)}
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._lone = [p for p in params if p not in self._slot]  # reduced over one rank: plain .grad, no bucket
         self.sync_enabled = True
         self.has_grads = False  # reduced gradients exist: a sync ran since zero_grad(set_to_none=True)
         self.auto_finish = True  # finish at the end of each synchronized backward
@@ -306,14 +307,12 @@ class GradientBuckets:
         if not self.pending:
             return None
         if not self.buckets:  # nothing to reduce: gradients are final once weighted
-            if self.replica_weight != 1.0:  # (reduce="tokens" weights even a lone replica)
-                for param in self.params:
-                    if param.grad is not None:
-                        param.grad.mul_(self.replica_weight)
+            self._weigh_lone()
             loss = self.summary.loss
             self._reset_window()
             return loss
         self._launch_rest_and_wait()
+        self._weigh_lone()
         for bucket in self.buckets:
             for hook in self.post_hooks:
                 hook(bucket.grad_shard if bucket.sharded else bucket.grads)
@@ -336,6 +335,15 @@ class GradientBuckets:
             loss = self.summary.mean_loss(reduced)
         self._reset_window()
         return loss
+
+    def _weigh_lone(self) -> None:
+        """Parameters reduced over one rank have no bucket whose launch weighs them: their
+        gradients take this replica's weight here (reduce="tokens" weighs even a lone replica,
+        by 1 / the step's token total; a tp-only layout buckets only its tp-partial gradients)."""
+        if self.replica_weight != 1.0:
+            for param in self._lone:
+                if param.grad is not None:
+                    param.grad.mul_(self.replica_weight)
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """Parameter id -> its whole reduced gradient (local shard of a DTensor), gathered from
