@@ -82,7 +82,7 @@ def summary(pmodel: "ParallelModule", batch: Any = None) -> str:
         if pmodel.index.tied:
             lines.append(f"              tied across pipeline ranks (gradients summed): {sorted(pmodel.index.tied)}")
     if grads.buckets:
-        payload = sum(b.nbytes for b in grads.buckets)
+        payload = sum(b.nbytes for b in grads.buckets if b.reduce.size > 1)
         lines.append(f"  gradients   {len(grads.buckets)} bucket(s), all-reduced {payload / MiB:.2f} MiB per step")
         lines += [f"              {line}" for line in grads.describe()]
     else:

@@ -79,8 +79,15 @@ class GradientBuckets:
         def dtype(p: nn.Parameter) -> torch.dtype:
             return reduce_dtype or local(p).dtype
 
-        # A parameter whose group is one rank has nothing to reduce: plain autograd gradient.
-        synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if r.size > 1]
+        # A parameter whose group is one rank has nothing to reduce: a plain autograd gradient,
+        # unless it is accumulated in another dtype than its own (bfloat16 parameters, float32
+        # reduce_dtype): autograd's .grad would round every microbatch's sum to the parameter's
+        # dtype, so it takes a bucket that is never communicated (not under ZeRO, whose buckets
+        # are shards of a group; one replica runs zero=0 anyway)
+        def bucketed(p: nn.Parameter, r: ReduceGroup) -> bool:
+            return r.size > 1 or (dtype(p) != local(p).dtype and not zero.grads_sharded)
+
+        synced = [(p, r) for p, r in zip(reversed(params), reversed(reduce_of)) if bucketed(p, r)]
         # a bucket never holds parameters with two labels: a ZeRO-3 unit gathers its own, a
         # pipeline stage launches its own as soon as its last backward is done
         apart = apart or {}
@@ -238,7 +245,9 @@ class GradientBuckets:
         bucket.buffer.mul_(bucket.launch_factor)
         if bucket.summary_slots:
             bucket.summary.copy_(self.summary.pack(self._used, reduce.size, bucket.device))
-        if bucket.sharded:
+        if reduce.size == 1:  # accumulated in the bucket's dtype, nothing to reduce
+            bucket.work = None
+        elif bucket.sharded:
             self.stats.record("reduce_scatter", bucket.grads)
             bucket.work = reduce_scatter_single(bucket.reduced_into(), bucket.grads, group=reduce.group, async_op=True)
         else:
@@ -437,7 +446,8 @@ class GradientBuckets:
     def describe(self) -> list[str]:
         return [
             f"bucket {b.index}: {len(b.params)} tensors, {b.nbytes / MiB:.2f} MiB "
-            f"{str(b.dtype).replace('torch.', '')} over {b.reduce.label}"
+            f"{str(b.dtype).replace('torch.', '')} "
+            + (f"over {b.reduce.label}" if b.reduce.size > 1 else "on this rank alone (accumulated, not communicated)")
             + (f", {'reduce-scattered' if b.sharded else ''} shard {b.shard_size} elements" if b.sharded else "")
             + (f" (incl. {b.summary_slots} summary slots: unused mask, loss)" if b.summary_slots else "")
             for b in self.buckets
