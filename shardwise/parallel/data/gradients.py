@@ -104,7 +104,8 @@ class GradientBuckets:
         ]
         self._index = {p: i for i, p in enumerate(params)}
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._lone = [p for p in params if p not in self._slot]  # reduced over one rank: plain .grad, no bucket
+        # reduced over one rank: plain .grad, no bucket to weigh it (experts are weighted where their tokens leave)
+        self._lone = [p for p, r in zip(params, reduce_of) if p not in self._slot and not r.weighted_at_origin]
         self.sync_enabled = True
         self.has_grads = False  # reduced gradients exist: a sync ran since zero_grad(set_to_none=True)
         self.auto_finish = True  # finish at the end of each synchronized backward
