@@ -29,6 +29,11 @@ def _train(config: dict, factory, batches, mode: str = "train_step"):
             loss = pm(local)
             loss.backward()
             loss = _mean_over_replicas(loss.detach(), pm)
+        elif mode == "synced":  # DDP users' accumulation over 3 slices, each backward synchronizing
+            parts = [pm(replica_slice(local, i, 3)) for i in range(3)]
+            for part in parts:
+                (part / 3).backward()
+            loss = _mean_over_replicas(torch.stack(parts).detach().mean(), pm)
         elif mode == "no_sync":  # manual accumulation over 3 slices, one sync at the end
             parts = [replica_slice(local, i, 3) for i in range(3)]
             with pm.no_sync():
@@ -86,9 +91,51 @@ def test_dp_parity_gpt(world, microbatches):
 def test_dp_plain_backward_and_no_sync():
     factory = functools.partial(make_gpt, 0)
     batches = gpt_batches(STEPS, batch=12)
-    for mode in ("backward", "no_sync"):
+    for mode in ("backward", "no_sync", "synced"):
         results = sw.testing.run_on_ranks(_train, 2, {}, factory, batches, mode)
         _check_all_ranks(results, factory, batches)
+
+
+# where gradients live apart from .grad, a second synchronized backward without zero_grad is
+# accumulation to one user and .grad cleared by hand to another: refused, not guessed
+APART = {"float32 buckets of bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+         "zero=1": dict(zero=1), "zero=2": dict(zero=2), "zero=3": dict(zero=3)}
+
+
+def _second_synced_backward() -> dict[str, tuple[str, bool]]:
+    outcomes = {}
+    for label, config in APART.items():
+        pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config))
+        opt = sw.build_optimizer(pm, torch.optim.SGD, **SGD)
+        index, count = sw.data_parallel_info(pm)
+        local = replica_slice(gpt_batches(1, 8)[0], index, count)
+        (pm(local[:2]) / 2).backward()
+        try:
+            (pm(local[2:]) / 2).backward()
+            outcome = "accumulated"
+        except sw.ShardwiseError as error:
+            outcome = str(error)
+        opt.zero_grad()  # the fix the message names; the step then goes on
+        with pm.no_sync():
+            (pm(local[:2]) / 2).backward()
+        (pm(local[2:]) / 2).backward()
+        before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        opt.step()
+        outcomes[label] = (outcome, any(not v.equal(before[k]) for k, v in pm.full_state_dict().items()))
+    return outcomes
+
+
+def test_a_second_synchronized_backward_is_refused_where_gradients_live_apart():
+    """Under ZeRO 1-3 and with bf16 parameters reduced in float32 the reduced gradients live in
+    shards or float32 buckets, not .grad. A second synchronized backward without zero_grad
+    kept only its own gradient (84% off the accumulated one at dp=2: the reduction overwrote the
+    shard) where a DDP user accumulates; a user who cleared .grad by hand wants exactly that.
+    Both look the same, so it is refused on every rank, naming the fix, and the fix works.
+    (float32 without ZeRO accumulates in .grad, as DDP: test_dp_plain_backward_and_no_sync.)"""
+    for rank, outcomes in enumerate(sw.testing.run_on_ranks(_second_synced_backward, 2)):
+        for label, (outcome, stepped) in outcomes.items():
+            assert "zero_grad" in outcome and "no_sync" in outcome, f"{label}, rank {rank}: {outcome}"
+            assert stepped, f"{label}, rank {rank}: the step after zero_grad changed nothing"
 
 
 def test_tied_weights_reduced_once():

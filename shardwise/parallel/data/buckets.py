@@ -126,6 +126,10 @@ class Bucket:
         self.shard_factor: float | None = None
         self.launch_factor = 1.0
         self.incoming: torch.Tensor | None = None
+        # gradients live apart from `.grad` (reduce-scattered into a shard, or cast into this
+        # buffer): whether `.grad` was cleared since a synchronization cannot be seen here
+        self.grads_apart = self.sharded or self.casts_grads
+        self.holds_reduced = False  # a synchronization's gradients, not zeroed since
 
     def allocate(self) -> None:
         if self.buffer is None:
@@ -149,6 +153,7 @@ class Bucket:
             self.release()
             self.shard = None
         self.shard_factor, self.incoming = None, None
+        self.holds_reduced = False
 
     def reduced_into(self) -> torch.Tensor:
         """Where this reduction's shard goes: the shard itself, or beside it when the shard

@@ -150,6 +150,8 @@ class GradientBuckets:
     def _move_grad_into_bucket(self, param: nn.Parameter, bucket: Bucket, i: int) -> None:
         """Move `param.grad` (if any) into its bucket slot: the first gradient of a window is
         copied, later ones were accumulated in place (or are added, for cast "main" grads)."""
+        if bucket.holds_reduced:
+            self._refuse_accumulating_over_syncs()
         index = self._index[param]
         view = bucket.views[i]
         if param.grad is not None:
@@ -160,6 +162,19 @@ class GradientBuckets:
         elif not self._used[index]:
             view.zero_()  # no local gradient (yet): contributes zeros; finish() decides
         param.grad = None if bucket.casts_grads else as_grad(param, view)
+
+    def _refuse_accumulating_over_syncs(self) -> None:
+        """A backward reaches gradients a synchronization reduced and no zero_grad cleared, where
+        they live apart from `.grad` (ZeRO's shards, float32 buckets of bfloat16 parameters): a
+        DDP user accumulating over synchronized backwards and one who cleared `.grad` by hand
+        look the same here, and adding or overwriting would be silently wrong for the other.
+        Raised on every rank alike (the state is), before this backward launches anything."""
+        stage = f"zero={self.zero.stage}" if self.zero.grads_sharded else "gradients reduced in float32 buckets"
+        raise ShardwiseError(
+            f"a backward after a synchronized one without zero_grad in between ({stage}: gradients live apart "
+            "from .grad, so shardwise cannot tell accumulating from .grad cleared by hand). Call "
+            "optimizer.zero_grad() or pmodel.zero_grad() between steps, and accumulate over backwards inside "
+            "`with pmodel.no_sync():` (the last one outside it) or with config.microbatches")
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         index = self._index[param]
@@ -337,6 +352,8 @@ class GradientBuckets:
         for param, (bucket, _) in self._slot.items():
             if bucket.sharded or id(param) in self.unused:  # ZeRO: gradients live in the shards
                 param.grad = None
+        for bucket in self.buckets:
+            bucket.holds_reduced = bucket.grads_apart
         if not self.zero.grad_buffer_kept:
             for bucket in self.buckets:
                 bucket.release()
@@ -434,6 +451,7 @@ class GradientBuckets:
                     bucket.buffer.zero_()
                 if bucket.shard is not None:
                     bucket.shard.zero_()
+                bucket.holds_reduced = False
                 for param, view in zip(bucket.params, bucket.views):
                     if not bucket.casts_grads and not bucket.sharded:
                         param.grad = as_grad(param, view)
