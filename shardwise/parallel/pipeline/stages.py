@@ -55,7 +55,7 @@ from ...plan.stages import StageLayout
 from ...random_state import rng_state, set_rng_state, without_trace
 from ...tensors import tensor_leaves, whole
 from ...topology import Topology
-from ..data.gradients import GradientSync
+from ..data.step_gradients import GradientSync
 from ..expert.router import recorded_router_logits
 from .runner import OrderRunner, RunnerStage, single_stage_steps, stage_metas, steps_of
 from .program import Program, Ref, StagePart, capture, draw, split
