@@ -460,7 +460,7 @@ class GradientBuckets:
         """Parameters whose reduced gradient lives outside `.grad`: in ZeRO's shards, or in the
         float32 bucket of a parameter of lower precision (`sw.build_optimizer`'s optimizers read
         them there; `full_grad_dict()` gathers them)."""
-        return [p for b in self.buckets if b.sharded or b.casts_grads for p in b.params]
+        return [p for b in self.buckets if b.grads_apart for p in b.params]
 
     def describe(self) -> list[str]:
         return [
