@@ -39,6 +39,12 @@ from .tensors import local, whole
 from .topology import Topology
 
 
+_NOT_COPIED = ("a ParallelModule cannot be copied or pickled: it holds this run's process groups, its hooks into "
+               "autograd and (under ZeRO) shards of the parameters. Copy its values instead, e.g. for an EMA: "
+               "ema = copy.deepcopy(your_module); ema.load_state_dict(pmodel.full_state_dict()) (whole tensors, on "
+               "every rank); save with torch.save(pmodel.state_dict()) or sw.save_checkpoint")
+
+
 class ParallelModule(nn.Module):
     """A module trained across ranks: the user's module plus the executors applied to it
     (built by `parallelize`). Running lives here; whole-model state in `state.py`; reports
@@ -77,6 +83,9 @@ class ParallelModule(nn.Module):
         self.losses = MicrobatchLosses(self)  # the microbatch loop of a step without a pipeline (step.py)
         self.pending_save = None  # an asynchronous save still writing (checkpoint/save.py)
         self.save_coordinator = None  # the agreement of asynchronous saves, over a group of their own
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy, copy.copy, pickle, torch.save(pmodel)
+        raise ModelError(_NOT_COPIED)
 
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:

@@ -1,5 +1,6 @@
 """Users' state-dict and optimizer habits on a ParallelModule: `torch.save(pm.state_dict())`,
-`pm.load_state_dict(...)` and a plain torch optimizer work in every ZeRO stage, or are refused.
+`pm.load_state_dict(...)`, `copy.deepcopy(pm)` and a plain torch optimizer work in every ZeRO
+stage, or are refused.
 
 Under ZeRO-3 the parameters between steps are views of freed storage; `state_dict()` used to
 hand those out (torch.save wrote 6 KB for a 424 KB model and could not read it back). Under
@@ -55,7 +56,28 @@ def _habits(zero: int, tp: int):
     _step(pm, opt, batches[1])
     _step(other, other_opt, batches[1])
     mine, theirs = pm.full_state_dict(), other.full_state_dict()
-    return readable, len(buffer.getvalue()), max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    return readable, len(buffer.getvalue()), max((mine[k] - theirs[k]).abs().max().item() for k in mine), \
+        _copies(pm)
+
+
+def _copies(pm) -> tuple[list[str], bool]:
+    """copy.deepcopy(pm) (an EMA's habit), copy.copy, pickle and torch.save(pm): each refused
+    naming full_state_dict (it raised pickle's TypeError about a ProcessGroup); the way it
+    names gives a plain copy holding the trained values."""
+    import copy
+    import pickle
+
+    refusals = []
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        try:
+            attempt(pm)
+            refusals.append("copied")
+        except sw.ModelError as error:
+            refusals.append(str(error))
+    ema = copy.deepcopy(make_gpt(0))
+    ema.load_state_dict(pm.full_state_dict())
+    trained = pm.full_state_dict()
+    return refusals, all(v.equal(trained[k]) for k, v in ema.state_dict().items())
 
 
 LAYOUTS = ((3, 1), (2, 1), (1, 2), (0, 2))  # (zero, tp) on 2 ranks
@@ -69,7 +91,9 @@ def test_state_dict_and_load_state_dict_in_every_zero_stage():
     """Equal bit for bit: both runs take the same operations on the same values and layout."""
     results = sw.testing.run_on_ranks(_all_layouts, 2)
     for (zero, tp), per_rank in zip(LAYOUTS, zip(*results)):
-        for rank, (readable, size, diff) in enumerate(per_rank):
+        for rank, (readable, size, diff, (refusals, ema_equal)) in enumerate(per_rank):
+            assert all("full_state_dict" in r for r in refusals), f"zero={zero} tp={tp} rank {rank}: {refusals}"
+            assert ema_equal, f"zero={zero} tp={tp} rank {rank}: a copy loaded from full_state_dict() differs"
             assert readable, f"zero={zero} tp={tp} rank {rank}: torch.save(pm.state_dict()) did not read back whole"
             assert size > 100_000, f"zero={zero}: torch.save wrote {size} bytes (freed storage?)"
             assert diff == 0.0, f"zero={zero} tp={tp} rank {rank}: load_state_dict then a step differs by {diff}"
