@@ -187,10 +187,9 @@ class ParallelModule(nn.Module):
                               "gradients is only known at the synchronizing step; accumulate with microbatches")
         self.steps += 1
         if self.steps == 1 and not self.optimizers and self.gradients.outside_grad():
-            warnings.warn(f"zero={self.config.zero}, param_dtype={self.config.param_dtype}, reduce_dtype="
-                          f"{self.config.reduce_dtype}: gradients live in ZeRO's shards or float32 buckets, not in "
-                          ".grad, so only an optimizer built with sw.build_optimizer(pmodel, ...) sees them (a plain "
-                          "torch optimizer is refused at its step)", stacklevel=2)
+            warnings.warn(f"gradients live {self.gradients.apart()}, so only an optimizer built with "
+                          "sw.build_optimizer(pmodel, ...) sees them (a plain torch optimizer is refused at its step)",
+                          stacklevel=2)
         parts = self.config.microbatches
         op = "train_step" if reduce == "mean" else f"train_step(reduce={reduce!r})"  # ranks must reduce alike
         step = self.agree_on_batch(op, batch, parts, self._checking())

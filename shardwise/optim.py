@@ -244,13 +244,10 @@ def refuse_plain_optimizers(pmodel: ParallelModule) -> None:
     torch calls global step pre-hooks for every optimizer; this one costs one set test over
     the optimizer's parameters a step, is registered only where such gradients exist, and is
     removed when `pmodel` is collected (it holds no reference to it)."""
-    c = pmodel.config
-    where = (f"zero={c.zero}: gradients live in the optimizer's shards" if pmodel.optimizer_params.zero.stage else
-             f"param_dtype={c.param_dtype} with reduce_dtype={c.reduce_dtype}: gradients are reduced in "
-             f"{c.reduce_dtype} buckets, not in the parameters' .grad")
     held = {id(p) for p in pmodel.gradients.outside_grad()}
     if not held:
         return
+    where = pmodel.gradients.apart()
     names = {id(p): name for name, p in pmodel.module.named_parameters() if id(p) in held}
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -261,7 +258,7 @@ def refuse_plain_optimizers(pmodel: ParallelModule) -> None:
                 name = next(names[id(p)] for p in group["params"] if id(p) in held)
                 raise ConfigError(
                     f"{type(optimizer).__name__} (a plain torch optimizer) steps parameters of a ParallelModule, "
-                    f"e.g. {name!r}, whose gradients it cannot see ({where}), so it would update nothing. Build it "
+                    f"e.g. {name!r}, whose gradients it cannot see (they live {where}), so it would update nothing. Build it "
                     f"with sw.build_optimizer(pmodel, torch.optim.{type(optimizer).__name__}, ...) instead")
 
     weakref.finalize(pmodel, register_optimizer_step_pre_hook(refuse).remove)

@@ -169,10 +169,9 @@ class GradientBuckets:
         DDP user accumulating over synchronized backwards and one who cleared `.grad` by hand
         look the same here, and adding or overwriting would be silently wrong for the other.
         Raised on every rank alike (the state is), before this backward launches anything."""
-        stage = f"zero={self.zero.stage}" if self.zero.grads_sharded else "gradients reduced in float32 buckets"
         raise ShardwiseError(
-            f"a backward after a synchronized one without zero_grad in between ({stage}: gradients live apart "
-            "from .grad, so shardwise cannot tell accumulating from .grad cleared by hand). Call "
+            f"a backward after a synchronized one without zero_grad in between (gradients live {self.apart()}, "
+            "so shardwise cannot tell accumulating from .grad cleared by hand). Call "
             "optimizer.zero_grad() or pmodel.zero_grad() between steps, and accumulate over backwards inside "
             "`with pmodel.no_sync():` (the last one outside it) or with config.microbatches")
 
@@ -461,6 +460,14 @@ class GradientBuckets:
         float32 bucket of a parameter of lower precision (`sw.build_optimizer`'s optimizers read
         them there; `full_grad_dict()` gathers them)."""
         return [p for b in self.buckets if b.grads_apart for p in b.params]
+
+    def apart(self) -> str:
+        """Where `outside_grad()`'s gradients live, for messages."""
+        if self.zero.grads_sharded:
+            return f"in the optimizer's shards (zero={self.zero.stage}), not in .grad"
+        cast = next(b for b in self.buckets if b.casts_grads)
+        name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
+        return f"in {name(cast.dtype)} buckets, not in the {name(local(cast.params[0]).dtype)} parameters' .grad"
 
     def describe(self) -> list[str]:
         return [
