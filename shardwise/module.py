@@ -25,6 +25,7 @@ from .groups import running
 from .parallel.data.buffers import BufferBroadcast
 from .parallel.context.sequence import ContextParallel
 from .parallel.data.gradients import GradientBuckets
+from .parallel.data.step_gradients import HeldGradients
 from .parallel.expert import ExpertParallel, RouterLogitsOverReplicas
 from .parallel.pipeline.stages import Pipeline
 from .parallel.tensor.sharding import TensorParallel
@@ -116,6 +117,7 @@ class ParallelModule(nn.Module):
                              "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
         self._forwards += 1
         check_forward(self, args, kwargs)
+        self.gradients.cleared = False
         with self.in_step("forward"), self.loss_parallel():
             self.broadcast_buffers()  # before, as DDP: the backward that follows has no hook at its end
             return self.run_module(*args, **kwargs)
@@ -185,6 +187,8 @@ class ParallelModule(nn.Module):
         if reduce == "tokens" and not self.gradients.sync_enabled:
             raise ConfigError("train_step(reduce='tokens') inside no_sync(): the token total that weights the "
                               "gradients is only known at the synchronizing step; accumulate with microbatches")
+        if reduce == "tokens":
+            HeldGradients.refuse_unkeepable(self.gradients)
         self.steps += 1
         if self.steps == 1 and not self.optimizers and self.gradients.outside_grad():
             warnings.warn(f"gradients live {self.gradients.apart()}, so only an optimizer built with "
@@ -200,7 +204,8 @@ class ParallelModule(nn.Module):
             self.expert_parallel.reset_traffic()
         weight = 1.0 if reduce == "tokens" else step.weight  # tokens: set at the last microbatch
         kept, tokens = [], None
-        with self.in_step("train_step"), self.gradients.step(weight) as gradients, self.loss_parallel():
+        set_aside = self.zero_grad if reduce == "tokens" else None  # earlier .grad sits out the token weights
+        with self.in_step("train_step"), self.gradients.step(weight, set_aside) as gradients, self.loss_parallel():
             if self.pipeline is not None:
                 with gradients.pipelined() as sync:
                     local = self.pipeline.train_step(step.batch, sync, step.loss_weights,

@@ -12,6 +12,9 @@ one process, judged by tests/parity.py's bounds:
   first microbatch is reduced into the shards before the token total that weights it is known
   (the shards' sum is rescaled when it is: left as reduced, the step's gradient is off by the
   first microbatch's share).
+- two reduce="tokens" steps without zero_grad: `.grad` holds one process's two backwards'
+  gradients added (the first step's were weighed again by the second's token total, 90% off);
+  under ZeRO-2, or after a no_sync backward, refused.
 - reduce="sum": one process's sum over the four microbatch slices, halved for the 2 replicas.
 - outputs=True: StepOutput.outputs holds this replica's logits, its two microbatches
   concatenated, equal to one process's logits for the replica's rows.
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from parity import EPS_LOSS, SGD, Run, assert_parity, gpt_batches, reference_run, replica_slice
+from parity import EPS_GRAD, EPS_LOSS, SGD, Run, assert_parity, gpt_batches, module_scales, reference_run, replica_slice
 from shardwise.models.gpt import GPT, GPTConfig
 
 STEPS = 3
@@ -141,6 +144,61 @@ def test_token_weighted_summed_and_concatenated_outputs():
         expected = first(replica_slice(plain[0], rank, 2))[1].detach()
         scale = float(expected.abs().max())
         assert float((logits - expected).abs().max()) <= EPS_LOSS * scale, "logits differ from one process's"
+
+
+def _token_steps_without_zero_grad(masked, gpt):
+    """Two train_step(reduce="tokens") calls with no zero_grad between, as a user accumulating
+    over steps writes them; the gradients summed over both, whole, per layout, or the refusal."""
+    def accumulate(config, factory, batches, plan=None, nosync=False):
+        pm = sw.parallelize(factory(), sw.ParallelConfig(microbatches=2, **config), plan=plan)
+        index, count = sw.data_parallel_info(pm)
+        try:
+            for batch in batches:
+                if nosync:
+                    with pm.no_sync():
+                        pm(replica_slice(batch, index, count))[0].backward()
+                pm.train_step(replica_slice(batch, index, count), reduce="tokens")
+        except sw.ShardwiseError as exc:
+            return type(exc).__name__, str(exc)
+        return pm.full_grad_dict()
+
+    return {"dp2": accumulate({}, counting, masked),
+            "tp2, nothing sharded (no bucket)": accumulate({"tp": 2}, counting, masked, plan=sw.Plan(name="none")),
+            "tp2 sp": accumulate({"tp": 2, "sequence_parallel": True}, counting_gpt, gpt, plan="gpt"),
+            "zero2": accumulate({"zero": 2}, counting, masked),
+            "no_sync backward first": accumulate({}, counting, masked, nosync=True)}
+
+
+def test_token_weighted_steps_accumulate_as_backward_does():
+    """`.grad` after two token-weighted steps without zero_grad is one process's after two
+    backwards of each batch's token mean. The step weighs its gradients by 1 / its token
+    total when they are reduced, which once weighed the first step's gradients again (90% off
+    at dp=2, and at one rank); they are now set aside for the step. Where they cannot be (ZeRO's
+    shards; a no_sync backward's unreduced ones) the step is refused. Bound: each step's
+    gradient is within EPS_GRAD of its module's largest element (tests/parity.py), so their sum
+    is within EPS_GRAD times the sum of the two."""
+    masked, gpt = token_batches(True)[:2], gpt_batches(2, BATCH)
+
+    def per_step(factory, batches):
+        model, grads = factory(), []
+        for batch in batches:
+            model.zero_grad()
+            model(batch)[0].backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        return grads
+
+    wants = {"tokens": per_step(counting, masked), "gpt": per_step(counting_gpt, gpt)}
+    for runs in sw.testing.run_on_ranks(_token_steps_without_zero_grad, 2, masked, gpt):
+        for name in ("dp2", "tp2, nothing sharded (no bucket)", "tp2 sp"):
+            steps = wants["gpt" if name == "tp2 sp" else "tokens"]
+            scales = [module_scales(grads) for grads in steps]
+            assert set(runs[name]) == set(steps[0]), name
+            for key, got in runs[name].items():
+                bound = EPS_GRAD * (scales[0][key] + scales[1][key])
+                error = float((got - steps[0][key] - steps[1][key]).abs().max())
+                assert error <= bound, (name, key, error, bound)
+        assert runs["zero2"][0] == "ShardwiseError" and "without zero_grad in between" in runs["zero2"][1]
+        assert runs["no_sync backward first"][0] == "ConfigError" and "under no_sync()" in runs["no_sync backward first"][1]
 
 
 def test_reduce_is_checked():

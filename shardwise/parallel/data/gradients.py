@@ -49,7 +49,7 @@ from ...compat import all_gather_single, reduce_scatter_single
 from ...errors import ShardwiseError
 from ...tensors import local
 from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
-from .step_gradients import StepGradients
+from .step_gradients import HeldGradients, StepGradients
 
 MiB = 1 << 20
 IN_FLIGHT = 2  # ZeRO-2/3: whole-gradient buffers of launched reduce-scatters kept at once
@@ -108,6 +108,7 @@ class GradientBuckets:
         self._lone = [p for p, r in zip(params, reduce_of) if p not in self._slot and not r.weighted_at_origin]
         self.sync_enabled = True
         self.has_grads = False  # reduced gradients exist: a sync ran since zero_grad(set_to_none=True)
+        self.cleared = True  # no forward or step since zero_grad: any gradient held is zeros
         self.auto_finish = True  # finish at the end of each synchronized backward
         self._reset_window()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slot]
@@ -151,7 +152,7 @@ class GradientBuckets:
         """Move `param.grad` (if any) into its bucket slot: the first gradient of a window is
         copied, later ones were accumulated in place (or are added, for cast "main" grads)."""
         if bucket.holds_reduced:
-            self._refuse_accumulating_over_syncs()
+            self.refuse_accumulating_over_syncs()
         index = self._index[param]
         view = bucket.views[i]
         if param.grad is not None:
@@ -163,7 +164,7 @@ class GradientBuckets:
             view.zero_()  # no local gradient (yet): contributes zeros; finish() decides
         param.grad = None if bucket.casts_grads else as_grad(param, view)
 
-    def _refuse_accumulating_over_syncs(self) -> None:
+    def refuse_accumulating_over_syncs(self) -> None:
         """A backward reaches gradients a synchronization reduced and no zero_grad cleared, where
         they live apart from `.grad` (ZeRO's shards, float32 buckets of bfloat16 parameters): a
         DDP user accumulating over synchronized backwards and one who cleared `.grad` by hand
@@ -413,13 +414,17 @@ class GradientBuckets:
         return self._switched_off("auto_finish")
 
     @contextlib.contextmanager
-    def step(self, replica_weight: float | Callable[[], float]) -> Iterator[StepGradients]:
+    def step(self, replica_weight: float | Callable[[], float],
+             set_aside: Callable[[], None] | None = None) -> Iterator[StepGradients]:
         """One training step's gradient accumulation (see `StepGradients`); `replica_weight`
         is this replica's share relative to an equal one (a callable: read when first needed,
-        by the loss or the first bucket, which lets the step's agreement run during the forward)."""
+        by the loss or the first bucket, which lets the step's agreement run during the forward).
+        `set_aside`: gradients held from before the step sit out its weighting (`HeldGradients`,
+        which calls it, the module's zero_grad, once they are taken)."""
+        held = HeldGradients(self, set_aside) if set_aside is not None else None
         self.replica_weight = replica_weight
         with self._manual_finish():
-            yield StepGradients(self)
+            yield StepGradients(self, held)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -434,6 +439,7 @@ class GradientBuckets:
         for bucket in self.buckets:  # a reduction launched and not yet waited for lands first
             if bucket.work is not None:
                 self._complete(bucket)
+        self.cleared = True
         if set_to_none:
             self.has_grads = False
             self._reset_window()
