@@ -218,6 +218,27 @@ def _optimizer_in(cls, elementwise=None, **config):
     return "stepped"
 
 
+def _trainable_set_changed(unfreeze: bool, **config):
+    """wpe frozen before parallelize and unfrozen after it (it trained on nothing, silently: the
+    gradient buckets and the optimizer hold the parameters trainable at parallelize), or lm_head
+    (tied to wte) frozen after it, which trains as one process does: it keeps its values."""
+    model = make_gpt(0)
+    model.wpe.weight.requires_grad_(not unfreeze)
+    pm = sw.parallelize(model, sw.ParallelConfig(**config))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)  # its moments would move a zero gradient's parameter
+    index, count = sw.data_parallel_info(pm)
+    for step, batch in enumerate(gpt_batches(2, 4)):
+        if step == 1:
+            (model.wpe.weight if unfreeze else model.lm_head.weight).requires_grad_(unfreeze)
+            before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        pm.train_step(replica_slice(batch, index, count))
+        opt.step()
+        opt.zero_grad()
+    after = pm.full_state_dict()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    return sorted(set(after) - moved)
+
+
 class _Outer(nn.Module):
     """A plain module holding a ParallelModule after its own trainable layer."""
 
@@ -449,6 +470,13 @@ RANKS2 = {
                                            "mlp.fc2.output": [["Shard(1)"]]}}), None, check=lambda v: v == "trained"),
     "tokens: the same count on tp peers": Case(lambda: _tokens(lambda r, i: 3, tp=2), None,
                                                check=lambda v: v == "trained"),
+    "a parameter unfrozen after parallelize": Case(lambda: _trainable_set_changed(True), "ConfigError",
+                                                   "parameter 'wpe.weight' was frozen (requires_grad=False) when "
+                                                   "sw.parallelize ran and has a gradient now"),
+    "a parameter unfrozen after parallelize, ZeRO-3": Case(lambda: _trainable_set_changed(True, zero=3),
+                                                           "ConfigError", "'wpe.weight' was frozen"),
+    "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
+                                                 check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }
 def _float8_gathered_under_tp():
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...comm import broadcast_tensors
 from ...config import ParallelConfig
+from ...errors import ConfigError
 from ...tensors import local
 from ...topology import Topology
 from .buckets import ReduceGroup, ZeroStage
@@ -103,3 +104,28 @@ def _owner_labels(module: nn.Module, label_of_path: dict[str, int]) -> dict[int,
         for param in module.get_submodule(path).parameters():
             label.setdefault(id(param), value)
     return label
+
+
+def refuse_unfreezing(module: nn.Module) -> None:
+    """Make a parameter frozen (requires_grad=False) when the module was parallelized raise as
+    soon as a backward gives it a gradient. Gradient buckets, ZeRO shards and the optimizer's
+    parameters are laid out over the parameters trainable then, so an unfrozen one would train
+    on one replica's gradient or not at all, without a word. At every world size alike, so a
+    script behaves the same on one process as on many.
+
+    torch registers no hook on a tensor that needs no gradient, so the hook is registered with
+    requires_grad briefly on; a frozen parameter never runs it (costs nothing)."""
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            continue
+
+        def refuse(_: nn.Parameter, name: str = name) -> None:
+            raise ConfigError(
+                f"parameter {name!r} was frozen (requires_grad=False) when sw.parallelize ran and has a gradient "
+                "now: gradient reduction, ZeRO shards and sw.build_optimizer cover the parameters trainable at "
+                "parallelize, so it would be neither averaged over replicas nor updated. Set requires_grad before "
+                "sw.parallelize; to unfreeze later, parallelize a fresh model loaded with pmodel.full_state_dict()")
+
+        param.requires_grad_(True)
+        param.register_post_accumulate_grad_hook(refuse)
+        param.requires_grad_(False)
