@@ -108,7 +108,8 @@ class ParallelModule(nn.Module):
             return self.module(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward; `loss.backward()` then synchronizes gradients.
+        """The wrapped module's forward; `loss.backward()` then synchronizes gradients. Under
+        mixed precision floating inputs are cast to `param_dtype`, as train_step's batch is.
 
         With pipeline parallelism use train_step and infer_step: one rank holds only its stages.
         """
@@ -118,6 +119,8 @@ class ParallelModule(nn.Module):
         self._forwards += 1
         check_forward(self, args, kwargs)
         self.gradients.cleared = False
+        if self.config.param_dtype is not None:  # floating inputs in it, as train_step's (and FSDP2's)
+            args, kwargs = self.prepare((args, kwargs))
         with self.in_step("forward"), self.loss_parallel():
             self.broadcast_buffers()  # before, as DDP: the backward that follows has no hook at its end
             return self.run_module(*args, **kwargs)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import trace_range
@@ -96,6 +97,41 @@ class ParallelOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._found_inf = None
         self._pmodel.zero_grad(set_to_none)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler reads this in `scaler.step(optimizer)` before it checks and
+        unscales the optimizer's gradients one rank at a time. That is right where every optimizer
+        tensor is a whole parameter with the same reduced `.grad` on every rank; elsewhere ranks
+        would skip steps apart or never see a gradient (an AssertionError or a DTensor error deep in
+        GradScaler), so it is refused here, naming shardwise's scaler. The value is torch's own
+        (fused optimizers set it True)."""
+        problem = self._grad_scaler_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"torch.amp.GradScaler steps this {type(self).__name__}, but {problem}. Use shardwise's scaler, "
+                "which checks every rank's gradients in one all-reduce: sw.build_optimizer(pmodel, ..., "
+                "loss_scaler=sw.LossScaler()) and no GradScaler (train_step scales the loss; with a plain "
+                "backward multiply it by optimizer.loss_scaler.scale)")
+        return self.__dict__.get("_amp_scaling_in_step", False)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_amp_scaling_in_step"] = value
+
+    def _grad_scaler_problem(self) -> str | None:
+        pmodel = self._pmodel
+        if self.loss_scaler is not None:
+            return "it already scales the loss with its own sw.LossScaler (float16 attaches one)"
+        if not pmodel.optimizer_params.in_place:
+            held = (f"this rank's shards of the parameters (zero={pmodel.config.zero})" if pmodel.config.zero
+                    else "float32 master copies of the parameters")
+            return f"it updates {held}, whose gradients GradScaler never sees"
+        if pmodel.pipeline is not None or pmodel.expert_parallel is not None:
+            return "each rank holds the gradients of its own pipeline stages or experts, so ranks would skip steps apart"
+        if any(isinstance(p, DTensor) for p in pmodel.parameters()):
+            return "its tensor-parallel parameters are DTensors, which GradScaler cannot unscale"
+        return None
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global `norm_type`-norm is at most `max_norm`; return the norm.

@@ -91,17 +91,62 @@ def _train(zero: int) -> tuple[Run, list[float]]:
     return run, scales
 
 
+def _torch_grad_scaler(config: dict, model=MLP, plan=None, loss_scaler=None) -> tuple[Run, list[float]] | str:
+    """torch.amp.GradScaler driving sw.build_optimizer's optimizer by hand, as single-device AMP
+    code does (a plain forward and backward); the replicas' mean loss. Or the refusal."""
+    pm = sw.parallelize(model(), sw.ParallelConfig(**config), plan=plan)
+    opt = sw.build_optimizer(pm, torch.optim.SGD, loss_scaler=loss_scaler, **SGD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+    index, count = sw.data_parallel_info(pm)
+    run, scales = Run([], []), []
+    for batch in batches() if model is MLP else gpt_batches(2, 4):
+        loss = pm(replica_slice(batch, index, count))
+        scaler.scale(loss).backward()
+        if not run.grads:
+            run.grads.append({k: v / scaler.get_scale() for k, v in pm.full_grad_dict().items()})
+        try:
+            scaler.step(opt)
+        except sw.ConfigError as exc:
+            return str(exc)
+        scaler.update()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        run.losses.append(float(mean) / dist.get_world_size())
+        scales.append(scaler.get_scale())
+    run.final = {k: v.detach().clone() for k, v in pm.full_state_dict().items()}
+    return run, scales
+
+
 def _every_zero():
-    return [_train(zero) for zero in (0, 1, 2, 3)]
+    return [_train(zero) for zero in (0, 1, 2, 3)], {
+        "dp": _torch_grad_scaler({}),
+        "zero1": _torch_grad_scaler({"zero": 1}),
+        "bfloat16": _torch_grad_scaler({"param_dtype": torch.bfloat16}),
+        "tp": _torch_grad_scaler({"tp": 2}, functools.partial(make_gpt, 0), plan="gpt"),
+        "with its own scaler": _torch_grad_scaler({}, loss_scaler=sw.LossScaler())}
 
 
 def test_loss_scaler_matches_torch_grad_scaler_at_every_zero_stage():
+    """sw.LossScaler at every ZeRO stage, and torch's GradScaler used by hand on our optimizer:
+    where the optimizer's tensors are the parameters with the same reduced `.grad` on every rank
+    (float32, zero=0, dp=2) it steps and skips as on one process; elsewhere (ZeRO's shards,
+    float32 masters, tp's DTensors, a scaler of our own already attached) it is refused, where
+    it used to fail deep inside GradScaler (an AssertionError, a DTensor error)."""
     want, want_scales = reference()
     assert want_scales == [2.0 ** 16, 2.0 ** 17, 2.0 ** 16, 2.0 ** 16, 2.0 ** 17], want_scales
-    for runs in sw.testing.run_on_ranks(_every_zero, 2):
+    for runs, by_hand in sw.testing.run_on_ranks(_every_zero, 2):
         for zero, (got, scales) in enumerate(runs):
             assert scales == want_scales, (zero, scales)
             assert_parity(want, got)
+        got, scales = by_hand["dp"]
+        assert scales == want_scales, scales
+        assert_parity(want, got)
+        for name, phrase in (("zero1", "this rank's shards of the parameters (zero=1)"),
+                             ("bfloat16", "float32 master copies"), ("tp", "DTensors"),
+                             ("with its own scaler", "its own sw.LossScaler")):
+            assert isinstance(by_hand[name], str) and "torch.amp.GradScaler steps this SGD, but" in by_hand[name] \
+                and phrase in by_hand[name], (name, by_hand[name])
 
 
 FP16_TOLERANCE = 0.05  # float16 unit roundoff 2^-11; λ·sqrt(D·n)·u with λ=10, D=4 reductions of n≤16: 0.04

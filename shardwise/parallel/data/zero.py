@@ -92,6 +92,11 @@ class OptimizerParams:
         self._separate = [piece for piece in every if piece.optimized is not piece.param]
         self._written = [piece for piece in every if piece.write_back is not None]
 
+    @property
+    def in_place(self) -> bool:
+        """Every optimizer tensor is the parameter itself (plain float32 without ZeRO)."""
+        return not self._separate
+
     # building --------------------------------------------------------------------------
     def _whole_piece(self, param, where, fp32: torch.Tensor | None, counted: bool) -> ParamPiece:
         target = local(param)
