@@ -24,6 +24,7 @@ from torch import nn
 from .batch import split_batch
 from .comm import broadcast_rng_state
 from .config import SCHEDULES, ParallelConfig
+from .checkpoint.pretrained import guard_hugging_face_saves
 from .compat import group_name_salt
 from .coordination import Fingerprint, fingerprint_of, world_coordinator
 from .deferred import check_materializable, is_deferred, materialize
@@ -274,7 +275,21 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                             router_logits=router_logits)
     refuse_plain_optimizers(pmodel)
     refuse_unfreezing(module)
+    guard_hugging_face_saves(module, _weights_held_in_part(topology, config))
     return pmodel
+
+
+def _weights_held_in_part(topology: Topology, config: ParallelConfig) -> str | None:
+    """How this rank holds only part of the model's weights, for messages; None if it holds all."""
+    if topology.size("pp") > 1:
+        return f"rank {topology.rank} holds only the layers of pipeline rank {topology.pp_rank} of {topology.size('pp')}"
+    if config.tp > 1:
+        return f"its sharded weights are DTensors of which this rank holds 1/{config.tp}"
+    if config.ep > 1:
+        return f"this rank holds 1/{config.ep} of the experts"
+    if config.zero == 3 and topology.size("dp", "cp") > 1:
+        return "ZeRO-3 keeps this rank's shard of each parameter only"
+    return None
 
 
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:

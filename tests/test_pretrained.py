@@ -6,6 +6,8 @@ each built with `sw.deferred_init` (no rank ever holds the whole model) and wrap
 end2end module (the weights' keys are found under its `lm.` prefix). Every parameter must
 equal the checkpoint's bit for bit, and the loss `infer_step` computes must be one process's
 `from_pretrained` model's, within float32 rounding of a forward (tests/parity.py's EPS_LOSS).
+transformers' own `save_pretrained` on the model inside writes the whole model where every rank
+holds it (cp2 x dp2) and is refused in the other layouts, where it would write part of it.
 """
 
 from __future__ import annotations
@@ -58,8 +60,20 @@ def _load_everywhere(directory: str, tied: bool):
         pm = sw.parallelize(sw.deferred_init(_build, tied), sw.ParallelConfig(**config), plan=plan, sample=sample)
         read.clear()
         sw.load_pretrained(pm, directory)
-        out[name] = ({k: v.clone() for k, v in pm.full_state_dict().items()}, float(pm.infer_step(batch)), sum(read))
+        out[name] = ({k: v.clone() for k, v in pm.full_state_dict().items()}, float(pm.infer_step(batch)), sum(read),
+                     _own_save_pretrained(pm, Path(directory).parent / f"own-{tied}-{name}-{pm.topology.rank}"))
     return out
+
+
+def _own_save_pretrained(pm, directory: Path) -> str:
+    """transformers' own save_pretrained called on the model inside, as HF users do: the
+    directory it wrote, or the refusal where this rank holds part of the weights (under pp it
+    wrote stage 0's tensors alone, and from_pretrained filled the rest at random)."""
+    try:
+        pm.module.lm.save_pretrained(directory)
+    except sw.CheckpointError as exc:
+        return f"refused: {exc}"
+    return str(directory)
 
 
 @pytest.fixture(scope="module", params=[(True, None), (False, "20KB")], ids=["tied, one file", "untied, sharded"])
@@ -86,8 +100,15 @@ def test_hugging_face_weights_load_into_every_layout(saved):
     # to 4 equal parts, so a little more), tp2 half of each sharded matrix and the small norms whole
     share = {"zero3 x dp4": 0.25 * 1.1, "tp2 x dp2": 0.6}
     for rank, layouts in enumerate(sw.testing.run_on_ranks(_load_everywhere, 4, str(directory), tied)):
-        for name, (state, loss, elements) in layouts.items():
+        for name, (state, loss, elements, own_save) in layouts.items():
             assert elements <= share.get(name, 1.0) * total, (name, rank, elements, total)
+            if name == "cp2 x dp2":  # every rank holds every weight: transformers' own save is right
+                if rank == 0:
+                    own = transformers.LlamaForCausalLM.from_pretrained(own_save).state_dict()
+                    assert all(torch.equal(v, state[f"lm.{k}"]) for k, v in own.items()) and len(own) == len(reference.state_dict())
+            else:
+                assert own_save.startswith("refused") and "so transformers would write part of the model" in own_save, \
+                    (name, own_save)
             assert state.keys() == want_state.keys(), (name, sorted(set(state) ^ set(want_state)))
             for key, value in want_state.items():
                 assert torch.equal(state[key], value), f"{name} rank {rank}: {key} differs from the checkpoint"

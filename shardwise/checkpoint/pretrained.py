@@ -252,6 +252,33 @@ def hugging_face_model(module: torch.nn.Module) -> tuple[str, Any]:
                           "there is no config.json to write; save with sw.save_checkpoint or full_state_dict()")
 
 
+class SavePretrainedRefused:
+    """Stands in for a Hugging Face model's own `save_pretrained` (which `push_to_hub` calls) on
+    a rank that holds only part of its weights: transformers would write that part, and
+    `from_pretrained` would fill the rest at random with a warning (pp: stage 0's 10 of a tiny
+    Llama's 21 tensors), or fail deep in torch (tp's DTensors, ZeRO-3's released storage).
+    A module-level class, so a module holding it still pickles."""
+
+    def __init__(self, held: str):
+        self.held = held
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError(
+            f"save_pretrained of a Hugging Face model inside a ParallelModule: {self.held}, so transformers "
+            "would write part of the model. Call sw.save_pretrained(pmodel, directory) on every rank instead: it "
+            "gathers the whole model and writes config.json and safetensors from one rank")
+
+
+def guard_hugging_face_saves(module: torch.nn.Module, held: str | None) -> None:
+    """Where this rank holds part of the weights (`held` says how; None: all of them), each
+    Hugging Face model inside `module` refuses its own save_pretrained (`SavePretrainedRefused`)."""
+    if held is None:
+        return
+    for _, sub in module.named_modules():
+        if hasattr(getattr(sub, "config", None), "model_type") and callable(getattr(sub, "save_pretrained", None)):
+            object.__setattr__(sub, "save_pretrained", SavePretrainedRefused(held))
+
+
 def write_pretrained(hf_model: Any, prefix: str, state: dict[str, torch.Tensor], directory: Path,
                      dtype: torch.dtype | None, max_shard_size: str) -> None:
     """The Hugging Face model's part of the whole `state` written by transformers itself:
@@ -259,7 +286,8 @@ def write_pretrained(hf_model: Any, prefix: str, state: dict[str, torch.Tensor],
     start = f"{prefix}." if prefix else ""
     own = {k[len(start):]: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
            for k, v in state.items() if k.startswith(start)}
-    hf_model.save_pretrained(str(directory), state_dict=own, safe_serialization=True, max_shard_size=max_shard_size)
+    type(hf_model).save_pretrained(hf_model, str(directory), state_dict=own, safe_serialization=True,
+                                   max_shard_size=max_shard_size)  # the class's: the instance's may be refused
     if dtype is not None:
         config = json.loads((directory / "config.json").read_text())
         config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
