@@ -35,7 +35,7 @@ from .parallel.context.sequence import (ContextParallel, SequenceShards, check_a
                                         shard_batch, whole_sequence_draws)
 from .groups import running
 from .parallel.data.buffers import BufferBroadcast, sync_batchnorm
-from .parallel.data.replicas import apply_data_parallel, refuse_unfreezing
+from .parallel.data.replicas import apply_data_parallel, refuse_replacing, refuse_unfreezing
 from .parallel.pipeline.placement import prune_to_stages, tied_across_ranks
 from .parallel.pipeline.stages import Pipeline
 from .parallel.recompute import apply_recompute, recompute_targets
@@ -275,6 +275,7 @@ def _build(module: nn.Module, topology: Topology, plan: Plan, resolved: Resolved
                             router_logits=router_logits)
     refuse_plain_optimizers(pmodel)
     refuse_unfreezing(module)
+    refuse_replacing(pmodel, module)
     guard_hugging_face_saves(module, _weights_held_in_part(topology, config))
     return pmodel
 

@@ -239,6 +239,28 @@ def _trainable_set_changed(unfreeze: bool, **config):
     return sorted(set(after) - moved)
 
 
+def _changed_after_parallelize(change: str):
+    """The model changed after parallelize (it trained without the new head, silently: the
+    buckets and the optimizer hold the parameters the model had then); assigning a slot what it
+    already holds changes nothing and trains."""
+    from test_zoo import batches, make
+
+    model = make("llama") if change == "resize_token_embeddings" else make_gpt(0)
+    pm = sw.parallelize(model)
+    if change == "a new head":
+        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    elif change == "a new parameter":
+        model.wpe.weight = nn.Parameter(torch.zeros_like(model.wpe.weight))
+    elif change == "resize_token_embeddings":
+        model.lm.resize_token_embeddings(80)
+    else:  # the same objects again
+        model.lm_head, model.wpe.weight = model.lm_head, model.wpe.weight
+    index, count = sw.data_parallel_info(pm)
+    pm.train_step(replica_slice(batches("llama", 1)[0] if change == "resize_token_embeddings"
+                                else gpt_batches(1, 4)[0], index, count))
+    return "trained"
+
+
 class _Outer(nn.Module):
     """A plain module holding a ParallelModule after its own trainable layer."""
 
@@ -475,6 +497,14 @@ RANKS2 = {
                                                    "sw.parallelize ran and has a gradient now"),
     "a parameter unfrozen after parallelize, ZeRO-3": Case(lambda: _trainable_set_changed(True, zero=3),
                                                            "ConfigError", "'wpe.weight' was frozen"),
+    "a new head after parallelize": Case(lambda: _changed_after_parallelize("a new head"), "ModelError",
+                                         "GPT.lm_head was assigned a new Linear after sw.parallelize"),
+    "a new parameter after parallelize": Case(lambda: _changed_after_parallelize("a new parameter"), "ModelError",
+                                              "GPT.wpe.weight was assigned a new Parameter after sw.parallelize"),
+    "resize_token_embeddings after parallelize": Case(lambda: _changed_after_parallelize("resize_token_embeddings"),
+                                                      "ModelError", "was assigned a new"),
+    "the same head assigned again after parallelize": Case(lambda: _changed_after_parallelize("the same"), None,
+                                                           check=lambda v: v == "trained"),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }

@@ -6,11 +6,15 @@ for a tied one; with the ranks holding the same experts for an expert shard), an
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from ...comm import broadcast_tensors
 from ...config import ParallelConfig
-from ...errors import ConfigError
+from ...errors import ConfigError, ModelError
 from ...tensors import local
 from ...topology import Topology
 from .buckets import ReduceGroup, ZeroStage
@@ -129,3 +133,31 @@ def refuse_unfreezing(module: nn.Module) -> None:
         param.requires_grad_(True)
         param.register_post_accumulate_grad_hook(refuse)
         param.requires_grad_(False)
+
+
+def refuse_replacing(owner: object, module: nn.Module) -> None:
+    """Make assigning a new parameter or submodule anywhere in `module` (a new head, peft's
+    adapters, resize_token_embeddings, `layer.weight = nn.Parameter(...)`) raise while `owner`
+    (the ParallelModule) lives. Its parameters would be in no gradient bucket, ZeRO shard or
+    optimizer: they would train on one replica's gradient or not at all, without a word.
+    Raised before the assignment happens, so the module stays as it was.
+
+    torch's global registration hooks see every module's registrations; these test membership
+    in a weak set of the model's modules (nothing else is affected) and are removed with `owner`.
+    Assigning a module or parameter its own slot already holds changes nothing and passes."""
+    paths = weakref.WeakKeyDictionary({m: path for path, m in module.named_modules(remove_duplicate=False)})
+    model = type(module).__name__
+
+    def refuse(parent: nn.Module, name: str, value: object) -> None:
+        if parent not in paths or getattr(parent, name, None) is value:
+            return
+        slot = f"{paths[parent]}.{name}".lstrip(".")
+        raise ModelError(
+            f"{model}.{slot} was assigned a new {type(value).__name__} after sw.parallelize: gradient buckets, "
+            "ZeRO shards and the optimizer cover the parameters the model had then, so the new one would be "
+            "neither averaged over replicas nor updated. Change the model (new heads, adapters, "
+            "resize_token_embeddings) before sw.parallelize, or parallelize a fresh model loaded with "
+            "pmodel.full_state_dict()")
+
+    handles = [register_module_parameter_registration_hook(refuse), register_module_module_registration_hook(refuse)]
+    weakref.finalize(owner, lambda: [handle.remove() for handle in handles])
