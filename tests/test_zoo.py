@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from parity import Case, compare_cases, corpus_batches, run_and_compare
+from parity import EPS_LOSS, Case, compare_cases, corpus_batches, run_and_compare
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
               intermediate_size=64, max_position_embeddings=64)
@@ -72,6 +72,36 @@ def batches(kind: str, steps: int = 4):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "bert"])
 def test_zoo_plan_parity(kind):
     run_and_compare(2, {"tp": 2}, functools.partial(make, kind), batches(kind), plan=kind)
+
+
+def _evaluate_then_train(kinds):
+    """Each model at tp=2 under its plan (loss parallel): the loss of a forward under
+    torch.inference_mode (Lightning's and HF's evaluation), then of a train_step."""
+    out = {}
+    for kind in kinds:
+        pm = sw.parallelize(make(kind), sw.ParallelConfig(tp=2), plan=kind)
+        batch = batches(kind, 1)[0]
+        pm.eval()
+        with torch.inference_mode():
+            evaluated = float(pm(batch))
+        pm.train()
+        out[kind] = evaluated, float(pm.train_step(batch))
+    return out
+
+
+def test_evaluation_under_inference_mode():
+    """Under inference_mode the loss-parallel cross-entropy failed ("mixed torch.Tensor and
+    DTensor": inference tensors skip the keys where it decomposes into the ops torch's loss
+    parallel handles); it must equal one process's loss, and training go on after it. Bound:
+    tests/parity.py's EPS_LOSS, relative."""
+    kinds = ["llama", "gpt2", "bert"]
+    for results in sw.testing.run_on_ranks(_evaluate_then_train, 2, kinds):
+        for kind in kinds:
+            model = make(kind)
+            with torch.no_grad():
+                want = float(model(batches(kind, 1)[0]))
+            for got in results[kind]:
+                assert abs(got - want) <= EPS_LOSS * abs(want), (kind, results[kind], want)
 
 
 DECODERS = ["llama", "qwen2", "mistral", "gpt2"]

@@ -47,6 +47,13 @@ class PlainLoss(TorchFunctionMode):
             self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _LOSSES and torch.is_inference_mode_enabled():
+            # inference tensors skip the autograd keys where cross_entropy decomposes into the ops
+            # torch's loss parallel handles (DTensor then meets cross_entropy_loss whole and refuses):
+            # computed on copies made outside inference_mode, under no_grad, it decomposes
+            copy = lambda a: a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a  # noqa: E731
+            with torch.inference_mode(False), torch.no_grad():
+                return _plain(func(*map(copy, args), **{k: copy(v) for k, v in (kwargs or {}).items()}))
         out = func(*args, **(kwargs or {}))
         if func in _LOSSES:
             return _plain(out)
