@@ -52,7 +52,7 @@ OPERATIONS = ("parallelize", "train_step", "infer_step", "forward", "full_state_
               "scale_grads", "finish_gradient_sync", "agree", "optimizer.full_state_dict",
               "optimizer.load_full_state_dict", "activation_memory", "activation_memory(fake=True)", "state_dict",
               "train_step(reduce='sum')", "train_step(reduce='tokens')", "load_pretrained",
-              "save_pretrained", "metrics.log_to", "timeline")
+              "save_pretrained", "metrics.log_to", "timeline", "optimizer.load_state_dict")
 FINGERPRINTS = 2  # fingerprint slots in a record
 FIELDS = ("op", "seq", "problem", "value") + tuple(f"fingerprint{i}" for i in range(FINGERPRINTS))
 SUM_SAVES_STEPS = 2  # the sum replaces the all-gather where it saves this many latency steps (from 7 ranks):

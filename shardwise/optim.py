@@ -22,10 +22,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import trace_range
-from .errors import ConfigError, ShardwiseError
+from .errors import CheckpointError, ConfigError, ShardwiseError
 from .loss_scale import LossScaler
 from .module import ParallelModule
 from .tensors import is_sharded
+
+PART_KEY = "shardwise part"  # in ParallelOptimizer.state_dict(): which part of the state it holds
 
 # Optimizers whose update of an element reads only that element's gradient and state: exact
 # on any shard of a parameter. Others (Adafactor's row/column statistics, Muon's
@@ -159,6 +161,30 @@ class ParallelOptimizer:
         self._pmodel.finish_gradient_sync()
         for grad in self._pmodel.optimizer_params.grads():
             grad.mul_(factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict of this rank's part of the state (its ZeRO or tensor-parallel
+        shards, pipeline stages or experts), marked with which part (`OptimizerParams.part`)."""
+        state = super().state_dict()
+        state[PART_KEY] = self._pmodel.optimizer_params.part()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, where `state_dict` holds this rank's part of the state. Rank 0's file
+        loaded on every rank (a DDP habit) gave tp rank 1 rank 0's moments for the other half of
+        each sharded weight, without a word; now any rank given another part (or one that does
+        not say, where parts differ) refuses, and every rank raises the same error."""
+        mine = self._pmodel.optimizer_params.part()
+        theirs = state_dict.get(PART_KEY) if isinstance(state_dict, dict) else None
+        problem = None
+        if theirs != mine and (theirs is not None or mine != "whole parameters"):
+            problem = CheckpointError(
+                f"optimizer.load_state_dict: the state holds {theirs or 'a part it does not name'}, this rank "
+                f"holds {mine}; state_dict() is each rank's own part. Save every rank's (one file each) and "
+                "load each on its rank, or save optimizer.full_state_dict() (whole, keyed by names) and load it "
+                "with optimizer.load_full_state_dict() into any layout (sw.save_checkpoint does it for you)")
+        with self._pmodel.coordinator.operation("optimizer.load_state_dict", problem):
+            super().load_state_dict({k: v for k, v in state_dict.items() if k != PART_KEY})
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state keyed by the original module's parameter names, on every

@@ -197,3 +197,55 @@ def test_a_plain_torch_optimizer_steps_what_it_can_see_or_is_refused():
                 named = re.search(r"e\.g\. '([^']+)'", plain)
                 assert named and named[1] in NAMES, f"{label}: the refusal names no parameter of the model: {plain}"
                 assert len(warned) == 1, f"{label}, rank {rank}: train_step's warnings {warned}"
+
+
+def _resume(config: dict, files: str, plan=None) -> dict[str, str]:
+    """Train 2 steps, save the optimizer's state_dict() (rank 0's file for every rank, or each
+    rank's own) with full_state_dict(), train 2 more; then resume a fresh model from the files
+    and train the same 2: "exact" when it ends bit for bit where the first did, or the refusal."""
+    import torch.distributed as dist
+
+    batches = gpt_batches(4, 8)
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+    for batch in batches[:2]:
+        _step(pm, opt, batch)
+    saved = {"model": pm.full_state_dict(), "optim": io.BytesIO()}
+    torch.save(opt.state_dict(), saved["optim"])
+    mine = saved["optim"].getvalue()
+    shared = [mine]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's file, read by every rank
+    for batch in batches[2:]:
+        _step(pm, opt, batch)
+    want = pm.full_state_dict()
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+    pm.load_full_state_dict(saved["model"])
+    try:
+        opt.load_state_dict(torch.load(io.BytesIO(shared[0] if files == "rank 0's" else mine)))
+    except sw.CheckpointError as exc:
+        return f"refused: {exc}"
+    for batch in batches[2:]:
+        _step(pm, opt, batch)
+    got = pm.full_state_dict()
+    return "exact" if all(torch.equal(got[k], want[k]) for k in want) else "differs"
+
+
+def _resumes():
+    return {f"{name}, {files} file": _resume(config, files, "gpt" if config.get("tp") else None)
+            for name, config in (("dp2", {}), ("zero1", {"zero": 1}), ("tp2", {"tp": 2}))
+            for files in ("rank 0's", "its own")}
+
+
+def test_resuming_the_optimizer_from_rank_zeros_file_or_each_ranks_own():
+    """optimizer.state_dict() holds this rank's part of the state. Rank 0's file loaded on every
+    rank, DDP's habit, is right where every rank holds every parameter whole (dp2) and was
+    silently wrong at tp2 (rank 1 took rank 0's moments for the other half of each sharded
+    weight: 0.033 off after two steps) and a torch ValueError on one rank under ZeRO-1: both are
+    now a CheckpointError on every rank. Each rank's own file resumes exactly everywhere."""
+    for results in sw.testing.run_on_ranks(_resumes, 2):
+        for name in ("dp2, rank 0's file", "dp2, its own file", "zero1, its own file", "tp2, its own file"):
+            assert results[name] == "exact", (name, results[name])
+        for name in ("zero1, rank 0's file", "tp2, rank 0's file"):
+            assert results[name].startswith("refused: optimizer.load_state_dict: the state holds ") \
+                and "this rank holds" in results[name], (name, results[name])

@@ -19,6 +19,7 @@ copy kept: gathers cast it (zero3.py), so no low-precision shard sits beside it.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,6 +92,28 @@ class OptimizerParams:
         every = [piece for pieces in self.pieces.values() for piece in pieces]
         self._separate = [piece for piece in every if piece.optimized is not piece.param]
         self._written = [piece for piece in every if piece.write_back is not None]
+        self._part = self._describe_part(module, experts)
+
+    def _describe_part(self, module: nn.Module, experts: set[int]) -> str:
+        """Which part of the optimizer state this rank holds (`part()`)."""
+        topology, sizes = self.topology, self.topology.sizes
+        held = [d for d in ("pp", "tp") if sizes[d] > 1 and (d == "pp" or any(is_sharded(p) for p in module.parameters()))]
+        if self.zero.grads_sharded:
+            held += [d for d in ("dp", "cp") if sizes[d] > 1]
+        where = [f"{d} rank {topology.coordinates[d]} of {sizes[d]}" for d in held]
+        if experts and topology.config.ep > 1:
+            where.append(f"ep rank {topology.ep_rank} of {topology.config.ep}")
+        if not where:
+            return "whole parameters"
+        names = {id(p): n for n, p in module.named_parameters()}
+        pieces = "".join(f"{names[i]}[{q.start}:{q.end}]" for i, ps in self.pieces.items() for q in ps)
+        return f"{', '.join(where)} (pieces {zlib.crc32(pieces.encode()):08x})"
+
+    def part(self) -> str:
+        """Which part of the optimizer state this rank holds, as text ranks compare: "whole
+        parameters" where every rank holds every parameter whole (its state is any rank's), else
+        its coordinates in the dimensions that split the state and a checksum of its pieces."""
+        return self._part
 
     @property
     def in_place(self) -> bool:
