@@ -1,0 +1,122 @@
+"""The catalogue's two-rank cases of users' habits with the model and its optimizer
+(merged into `RANKS2` of bad_inputs_rank_cases.py): an optimizer that is not element-wise where
+it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
+changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
+resize_token_embeddings)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from parity import ADAMW, gpt_batches, make_gpt, replica_slice
+from bad_inputs import Case
+
+
+def _optimizer_in(cls, elementwise=None, **config):
+    """A non-element-wise optimizer where parameters are sharded (it trained 4% off, or raised raw)."""
+    plan = "gpt" if config.get("tp", 1) > 1 else None
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    extra = {} if elementwise is None else {"elementwise": elementwise}
+    opt = sw.build_optimizer(pm, cls, lr=1e-3, **extra)
+    pm.train_step(gpt_batches(1, 4)[0])
+    opt.step()
+    return "stepped"
+
+
+def _trainable_set_changed(unfreeze: bool, **config):
+    """wpe frozen before parallelize and unfrozen after it (it trained on nothing, silently: the
+    gradient buckets and the optimizer hold the parameters trainable at parallelize), or lm_head
+    (tied to wte) frozen after it, which trains as one process does: it keeps its values."""
+    model = make_gpt(0)
+    model.wpe.weight.requires_grad_(not unfreeze)
+    pm = sw.parallelize(model, sw.ParallelConfig(**config))
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, **ADAMW)  # its moments would move a zero gradient's parameter
+    index, count = sw.data_parallel_info(pm)
+    for step, batch in enumerate(gpt_batches(2, 4)):
+        if step == 1:
+            (model.wpe.weight if unfreeze else model.lm_head.weight).requires_grad_(unfreeze)
+            before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        pm.train_step(replica_slice(batch, index, count))
+        opt.step()
+        opt.zero_grad()
+    after = pm.full_state_dict()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    return sorted(set(after) - moved)
+
+
+def _changed_after_parallelize(change: str):
+    """The model changed after parallelize (it trained without the new head, silently: the
+    buckets and the optimizer hold the parameters the model had then); assigning a slot what it
+    already holds changes nothing and trains."""
+    from test_zoo import batches, make
+
+    model = make("llama") if change == "resize_token_embeddings" else make_gpt(0)
+    pm = sw.parallelize(model)
+    if change == "a new head":
+        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    elif change == "a new parameter":
+        model.wpe.weight = nn.Parameter(torch.zeros_like(model.wpe.weight))
+    elif change == "resize_token_embeddings":
+        model.lm.resize_token_embeddings(80)
+    else:  # the same objects again
+        model.lm_head, model.wpe.weight = model.lm_head, model.wpe.weight
+    index, count = sw.data_parallel_info(pm)
+    pm.train_step(replica_slice(batches("llama", 1)[0] if change == "resize_token_embeddings"
+                                else gpt_batches(1, 4)[0], index, count))
+    return "trained"
+
+
+class _Headed(nn.Module):
+    """A plain module applying its own trainable head to a ParallelModule's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = sw.parallelize(nn.Sequential(nn.Linear(4, 4)))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _headed(frozen: bool):
+    outer = _Headed()
+    outer.head.requires_grad_(not frozen)
+    outer(torch.randn(4, 4)).sum().backward()  # the head's gradient would be this replica's alone
+    return "trained"
+
+
+HABITS = {
+    "Adafactor under ZeRO-1": Case(lambda: _optimizer_in(torch.optim.Adafactor, zero=1), "ConfigError",
+                                   "Adafactor is not an element-wise optimizer"),
+    "Adafactor under tp": Case(lambda: _optimizer_in(torch.optim.Adafactor, tp=2), "ConfigError",
+                               "in this layout (zero=0, tp=2) it would get parts of"),
+    "Muon under ZeRO-2": Case(lambda: _optimizer_in(functools.partial(torch.optim.Muon, adjust_lr_fn="original"),
+                                                    zero=2), "ConfigError", "Muon is not an element-wise optimizer"),
+    "Adafactor with whole parameters": Case(lambda: _optimizer_in(torch.optim.Adafactor), None,
+                                            check=lambda v: v == "stepped"),
+    "an element-wise optimizer vouched for": Case(lambda: _optimizer_in(torch.optim.Adafactor, elementwise=True,
+                                                                        zero=1), None, check=lambda v: v == "stepped"),
+    "a head trained on a ParallelModule's outputs": Case(lambda: _headed(frozen=False), "ModelError",
+                                                         "is trained together with Sequential's ParallelModule"),
+    "a frozen head on a ParallelModule's outputs": Case(lambda: _headed(frozen=True), None,
+                                                        check=lambda v: v == "trained"),
+    "a parameter unfrozen after parallelize": Case(lambda: _trainable_set_changed(True), "ConfigError",
+                                                   "parameter 'wpe.weight' was frozen (requires_grad=False) when "
+                                                   "sw.parallelize ran and has a gradient now"),
+    "a parameter unfrozen after parallelize, ZeRO-3": Case(lambda: _trainable_set_changed(True, zero=3),
+                                                           "ConfigError", "'wpe.weight' was frozen"),
+    "a new head after parallelize": Case(lambda: _changed_after_parallelize("a new head"), "ModelError",
+                                         "GPT.lm_head was assigned a new Linear after sw.parallelize"),
+    "a new parameter after parallelize": Case(lambda: _changed_after_parallelize("a new parameter"), "ModelError",
+                                              "GPT.wpe.weight was assigned a new Parameter after sw.parallelize"),
+    "resize_token_embeddings after parallelize": Case(lambda: _changed_after_parallelize("resize_token_embeddings"),
+                                                      "ModelError", "was assigned a new"),
+    "the same head assigned again after parallelize": Case(lambda: _changed_after_parallelize("the same"), None,
+                                                           check=lambda v: v == "trained"),
+    "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
+                                                 check=lambda v: v == ["lm_head.weight", "wte.weight"]),
+}
