@@ -33,8 +33,13 @@ whole-sequence attention, whose backward Dynamo traces too (no `autograd.grad` i
 its traffic counter is a tensor (a Python counter would be guarded on and compile every block
 anew).
 
-torchao's Float8Linear under tp + sequence parallelism (the float8 rules) compiles the same way;
-its losses are held to tests/test_float8.py's bound against one float8 process.
+torchao's Float8Linear under tp + sequence parallelism (the float8 rules), and ZeRO-3 gathering
+float8 weights, compile the same way, and match the same layout run uncompiled within the same
+bounds. Not one float8 process: through ten blocks a layout's reordered sums flip float8 roundings
+that cascade (each flip moves what the next cast sees), so at ten blocks tp2 + sp sits 0.58 of
+float8's own error from one float8 process whether compiled or not, and its losses anywhere from
+0.35 to 1.6 of float8's own loss deviation, by CPU (AVX-512 and AVX2 kernels). tests/test_float8.py
+holds the layouts to one float8 process on two blocks, where the derivation there applies.
 
 Faults this catches: the first forward's plan check (a dispatch mode) seen by Dynamo, which
 then skipped the blocks for good (no graph: issue 30); a storage-keyed lookup or a
@@ -52,9 +57,9 @@ from torchao.float8 import Float8LinearConfig
 
 import shardwise as sw
 from shardwise.compat import COMPILES_DTENSOR_PARAMETERS, COMPILES_DTENSOR_VIEWS
-from parity import Run, assert_parity, gpt_batches, make_gpt, reference_run, train_parallel
+from parity import Run, assert_meaningful, assert_parity, gpt_batches, make_gpt, reference_run, train_parallel
 from test_context_parallel import cp_batches
-from test_float8 import FLOAT8_TRAJECTORY, llama, llama_batches, to_float8
+from test_float8 import llama, llama_batches, to_float8
 
 BLOCKS = 10  # more than Dynamo's recompile limit (8): blocks specialized by their path would fall back to eager
 LAYOUTS = {
@@ -106,6 +111,9 @@ def _compiled_runs(layouts: dict) -> dict[str, tuple[Run, int, dict] | str]:
             continue
         found[name] = (run, counters["stats"]["unique_graphs"], {k.splitlines()[0]: v for k, v in
                                                                   counters["graph_break"].items()})
+        if "float8" in name:  # the reference: the same layout, uncompiled (the module docstring)
+            found[f"{name} uncompiled"] = train_parallel(config, functools.partial(model, name), batches(name), plan,
+                                                         every_step=True)
     return found
 
 
@@ -124,20 +132,15 @@ def test_compiled_blocks_build_graphs_without_breaks_and_match_eager(compiled, n
     if not COMPILES_DTENSOR_VIEWS and "tp" in config and config.get("zero"):
         assert "compiled under tensor parallelism with ZeRO" in compiled[name], compiled[name]
         return
-    eager = reference_run(functools.partial(model, name), batches(name))
     run, graphs, breaks = compiled[name]
     assert graphs > 0, f"{name}: no graph was built, the compiled blocks ran eager"
     assert not breaks, f"{name}: graph breaks inside compiled blocks: {breaks}"
-    if "float8" in name:  # tests/test_float8.py's bound: well inside float8's own deviation from float32
-        # activations are scaled per replica's batch: one process runs each replica's batch as a forward
-        replicas = (2 if name in LAYOUTS else 4) // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
-        eager = reference_run(functools.partial(model, name), batches(name), microbatches=replicas)
-        float32 = reference_run(functools.partial(model, name, False), batches(name), microbatches=replicas).losses
-        yard = max(abs(a - b) for a, b in zip(float32, eager.losses))
-        assert max(abs(a - b) for a, b in zip(run.losses, eager.losses)) <= FLOAT8_TRAJECTORY * yard, (
-            run.losses, eager.losses, float32)
+    if "float8" in name:
+        eager = compiled[f"{name} uncompiled"]
+        assert_meaningful(eager)
     else:
-        assert_parity(eager, run)
+        eager = reference_run(functools.partial(model, name), batches(name))
+    assert_parity(eager, run)
 
 
 
