@@ -21,7 +21,11 @@ every element of that shard on another grid, an error as large as float8's own: 
 test (scales per shard) sits at 0.5-1.1. Later steps compound flips through updated weights
 (a weight element that flips moves every token's product), so the losses and the parameters
 after the steps are held to FLOAT8_TRAJECTORY = 0.5 of float8's own deviation: the layout
-must stay well inside the error float8 itself makes.
+must stay well inside the error float8 itself makes. This holds for the two-block models here
+(at most 0.16, measured with AVX-512, AVX2 and unvectorized kernels); through ten
+blocks the flips cascade, each moving what the next cast sees, and a correct layout sits at 0.6
+(tests/test_compile.py, which therefore compares its ten-block float8 runs with the same layout
+uncompiled).
 """
 
 from __future__ import annotations
