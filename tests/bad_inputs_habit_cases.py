@@ -2,11 +2,12 @@
 (merged into `RANKS2` of bad_inputs_rank_cases.py): an optimizer that is not element-wise where
 it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
 changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
-resize_token_embeddings)."""
+resize_token_embeddings), and a ParallelModule left to the cyclic collector."""
 
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 from torch import nn
@@ -70,6 +71,38 @@ def _changed_after_parallelize(change: str):
     return "trained"
 
 
+def _freed_by_the_collector():
+    """A ParallelModule in a reference cycle, freed by the collector while torch runs the
+    parameter-registration hooks of an unrelated model being built (any allocation there can
+    start a collection; here a hook registered first collects). Its retired hooks once deleted
+    themselves from the dict torch was iterating: "OrderedDict mutated during iteration" from
+    nn.Linear. A later parallelize sweeps them."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    armed = []
+
+    def collect_once(*args):
+        if armed:
+            armed.clear()
+            gc.collect()
+
+    collecting = register_module_parameter_registration_hook(collect_once)
+    enabled = gc.isenabled()
+    gc.disable()  # nothing frees the cycle before the armed hook does
+    try:
+        cycle: list = [sw.parallelize(make_gpt(0))]
+        cycle.append(cycle)
+        del cycle
+        armed.append(True)
+        make_gpt(0)
+        sw.parallelize(make_gpt(0))
+        return sum(getattr(hook, "__name__", "") == "_retired" for hook in collecting.hooks_dict_ref().values())
+    finally:
+        collecting.remove()
+        if enabled:
+            gc.enable()
+
+
 class _Headed(nn.Module):
     """A plain module applying its own trainable head to a ParallelModule's outputs."""
 
@@ -117,6 +150,8 @@ HABITS = {
                                                       "ModelError", "was assigned a new"),
     "the same head assigned again after parallelize": Case(lambda: _changed_after_parallelize("the same"), None,
                                                            check=lambda v: v == "trained"),
+    "a ParallelModule freed by the collector while a model is built": Case(_freed_by_the_collector, None,
+                                                                          check=lambda v: v == 0),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }

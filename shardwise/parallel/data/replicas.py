@@ -143,8 +143,13 @@ def refuse_replacing(owner: object, module: nn.Module) -> None:
     Raised before the assignment happens, so the module stays as it was.
 
     torch's global registration hooks see every module's registrations; these test membership
-    in a weak set of the model's modules (nothing else is affected) and are removed with `owner`.
-    Assigning a module or parameter its own slot already holds changes nothing and passes."""
+    in a weak set of the model's modules (nothing else is affected) and are retired with `owner`.
+    Assigning a module or parameter its own slot already holds changes nothing and passes.
+
+    Retiring must not delete from torch's hook dicts: the collector can free `owner` inside any
+    registration while torch iterates them, and a deletion there raised "OrderedDict mutated
+    during iteration" from an unrelated `nn.Linear(...)`. It swaps in a no-op (a value change,
+    which iteration allows); each call here deletes the no-ops, outside any iteration."""
     paths = weakref.WeakKeyDictionary({m: path for path, m in module.named_modules(remove_duplicate=False)})
     model = type(module).__name__
 
@@ -160,4 +165,18 @@ def refuse_replacing(owner: object, module: nn.Module) -> None:
             "pmodel.full_state_dict()")
 
     handles = [register_module_parameter_registration_hook(refuse), register_module_module_registration_hook(refuse)]
-    weakref.finalize(owner, lambda: [handle.remove() for handle in handles])
+    for hooks in {id(d): d for d in (h.hooks_dict_ref() for h in handles) if d is not None}.values():
+        for key in [key for key, hook in hooks.items() if hook is _retired]:
+            del hooks[key]
+    weakref.finalize(owner, _retire, handles)
+
+
+def _retired(*args: object) -> None:
+    """A registration hook whose ParallelModule is gone (`refuse_replacing`)."""
+
+
+def _retire(handles: list) -> None:
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            hooks[handle.id] = _retired
