@@ -13,7 +13,6 @@ refused at its first step instead.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import trace_range
 from .errors import CheckpointError, ConfigError, ShardwiseError
+from .global_hooks import hooks_while_alive
 from .loss_scale import LossScaler
 from .module import ParallelModule
 from .tensors import is_sharded
@@ -305,7 +305,7 @@ def refuse_plain_optimizers(pmodel: ParallelModule) -> None:
 
     torch calls global step pre-hooks for every optimizer; this one costs one set test over
     the optimizer's parameters a step, is registered only where such gradients exist, and is
-    removed when `pmodel` is collected (it holds no reference to it)."""
+    retired when `pmodel` is collected (it holds no reference to it; global_hooks.py)."""
     held = {id(p) for p in pmodel.gradients.outside_grad()}
     if not held:
         return
@@ -323,4 +323,4 @@ def refuse_plain_optimizers(pmodel: ParallelModule) -> None:
                     f"e.g. {name!r}, whose gradients it cannot see (they live {where}), so it would update nothing. Build it "
                     f"with sw.build_optimizer(pmodel, torch.optim.{type(optimizer).__name__}, ...) instead")
 
-    weakref.finalize(pmodel, register_optimizer_step_pre_hook(refuse).remove)
+    hooks_while_alive(pmodel, [register_optimizer_step_pre_hook(refuse)])

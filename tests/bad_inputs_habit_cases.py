@@ -71,13 +71,14 @@ def _changed_after_parallelize(change: str):
     return "trained"
 
 
-def _freed_by_the_collector():
-    """A ParallelModule in a reference cycle, freed by the collector while torch runs the
-    parameter-registration hooks of an unrelated model being built (any allocation there can
-    start a collection; here a hook registered first collects). Its retired hooks once deleted
+def _freed_by_the_collector(during: str):
+    """A ParallelModule in a reference cycle, freed by the collector while torch runs the global
+    hooks of an unrelated model being built, or of a plain optimizer's step (any allocation there
+    can start a collection; here a hook registered first collects). Its retired hooks once deleted
     themselves from the dict torch was iterating: "OrderedDict mutated during iteration" from
-    nn.Linear. A later parallelize sweeps them."""
+    nn.Linear or optimizer.step(). A later parallelize sweeps them; returns how many are left."""
     from torch.nn.modules.module import register_module_parameter_registration_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     armed = []
 
@@ -86,16 +87,23 @@ def _freed_by_the_collector():
             armed.clear()
             gc.collect()
 
-    collecting = register_module_parameter_registration_hook(collect_once)
+    register = register_module_parameter_registration_hook if during == "build" else register_optimizer_step_pre_hook
+    collecting = register(collect_once)
     enabled = gc.isenabled()
     gc.disable()  # nothing frees the cycle before the armed hook does
     try:
-        cycle: list = [sw.parallelize(make_gpt(0))]
+        other = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+        cycle: list = [sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=1))]  # ZeRO: an optimizer hook too
         cycle.append(cycle)
         del cycle
         armed.append(True)
-        make_gpt(0)
-        sw.parallelize(make_gpt(0))
+        if during == "build":
+            make_gpt(0)
+        else:
+            other(torch.ones(2)).sum().backward()
+            optimizer.step()
+        sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=1))
         return sum(getattr(hook, "__name__", "") == "_retired" for hook in collecting.hooks_dict_ref().values())
     finally:
         collecting.remove()
@@ -150,8 +158,10 @@ HABITS = {
                                                       "ModelError", "was assigned a new"),
     "the same head assigned again after parallelize": Case(lambda: _changed_after_parallelize("the same"), None,
                                                            check=lambda v: v == "trained"),
-    "a ParallelModule freed by the collector while a model is built": Case(_freed_by_the_collector, None,
-                                                                          check=lambda v: v == 0),
+    "a ParallelModule freed by the collector while a model is built": Case(
+        lambda: _freed_by_the_collector("build"), None, check=lambda v: v == 0),
+    "a ParallelModule freed by the collector while an optimizer steps": Case(
+        lambda: _freed_by_the_collector("step"), None, check=lambda v: v == 0),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }

@@ -15,6 +15,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from ...comm import broadcast_tensors
 from ...config import ParallelConfig
 from ...errors import ConfigError, ModelError
+from ...global_hooks import hooks_while_alive
 from ...tensors import local
 from ...topology import Topology
 from .buckets import ReduceGroup, ZeroStage
@@ -143,13 +144,9 @@ def refuse_replacing(owner: object, module: nn.Module) -> None:
     Raised before the assignment happens, so the module stays as it was.
 
     torch's global registration hooks see every module's registrations; these test membership
-    in a weak set of the model's modules (nothing else is affected) and are retired with `owner`.
-    Assigning a module or parameter its own slot already holds changes nothing and passes.
-
-    Retiring must not delete from torch's hook dicts: the collector can free `owner` inside any
-    registration while torch iterates them, and a deletion there raised "OrderedDict mutated
-    during iteration" from an unrelated `nn.Linear(...)`. It swaps in a no-op (a value change,
-    which iteration allows); each call here deletes the no-ops, outside any iteration."""
+    in a weak set of the model's modules (nothing else is affected) and are retired with `owner`
+    (global_hooks.py). Assigning a module or parameter its own slot already holds changes nothing
+    and passes."""
     paths = weakref.WeakKeyDictionary({m: path for path, m in module.named_modules(remove_duplicate=False)})
     model = type(module).__name__
 
@@ -164,19 +161,5 @@ def refuse_replacing(owner: object, module: nn.Module) -> None:
             "resize_token_embeddings) before sw.parallelize, or parallelize a fresh model loaded with "
             "pmodel.full_state_dict()")
 
-    handles = [register_module_parameter_registration_hook(refuse), register_module_module_registration_hook(refuse)]
-    for hooks in {id(d): d for d in (h.hooks_dict_ref() for h in handles) if d is not None}.values():
-        for key in [key for key, hook in hooks.items() if hook is _retired]:
-            del hooks[key]
-    weakref.finalize(owner, _retire, handles)
-
-
-def _retired(*args: object) -> None:
-    """A registration hook whose ParallelModule is gone (`refuse_replacing`)."""
-
-
-def _retire(handles: list) -> None:
-    for handle in handles:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and handle.id in hooks:
-            hooks[handle.id] = _retired
+    hooks_while_alive(owner, [register_module_parameter_registration_hook(refuse),
+                              register_module_module_registration_hook(refuse)])
