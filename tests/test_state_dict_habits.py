@@ -168,8 +168,10 @@ def _plain_optimizers():
         changed = lambda after: sorted(k for k in after if not after[k].float().equal(before[k]))  # noqa: E731
         diff = max((plain_after[k].float() - built_after[k].float()).abs().max().item() for k in built_after)
         results.append((plain, plain_warned, built, changed(plain_after), changed(built_after), diff))
-    gc.collect()
-    return results, len(_global_optimizer_pre_hooks) - hooks
+    gc.collect()  # their hooks retire to no-ops (shardwise/global_hooks.py), which the next parallelize deletes
+    live = sum(getattr(h, "__name__", "") != "_retired" for h in _global_optimizer_pre_hooks.values()) - hooks
+    kept = sw.parallelize(make_gpt(0), sw.ParallelConfig(zero=1))  # a ZeRO model: one hook of its own
+    return results, (live, len(_global_optimizer_pre_hooks) - hooks - 1, kept is not None)
 
 
 def test_a_plain_torch_optimizer_steps_what_it_can_see_or_is_refused():
@@ -178,10 +180,12 @@ def test_a_plain_torch_optimizer_steps_what_it_can_see_or_is_refused():
     nothing without a word; it is now refused at its step, naming the fix, on every rank (and
     train_step warns first). Where it can see them it takes the step sw's SGD takes: the same
     parameters change, bit for bit in float32 (both apply the same SGD update to the same reduced
-    gradient and weights). No refusal hook outlives its ParallelModule."""
+    gradient and weights). No refusal hook outlives its ParallelModule (retired, then deleted by the
+    next parallelize)."""
     per_rank = sw.testing.run_on_ranks(_plain_optimizers, 2)
-    for rank, (results, hooks_left) in enumerate(per_rank):
-        assert hooks_left == 0, f"rank {rank}: {hooks_left} optimizer step hooks outlived their ParallelModule"
+    for rank, (results, (live, swept_left, _)) in enumerate(per_rank):
+        assert live == 0, f"rank {rank}: {live} optimizer step hooks outlived their ParallelModule"
+        assert swept_left == 0, f"rank {rank}: {swept_left} retired optimizer step hooks were not deleted"
         for (label, _, visible), (plain, warned, built, plain_changed, built_changed, diff) in \
                 zip(PLAIN_OPTIMIZER_LAYOUTS, results):
             assert built == "stepped", f"{label}, rank {rank}: sw.build_optimizer's SGD failed: {built}"
