@@ -202,7 +202,7 @@ def reference_run(factory: Callable[[], nn.Module], batches, clip: float | None 
         else:
             losses = []
             for part in split_batch(batch, microbatches):
-                losses.append(_loss_value(model(part)))
+                losses.append(loss(model, part) if loss is not None else _loss_value(model(part)))
                 (losses[-1] / microbatches).backward()
             value = torch.stack([l.detach() for l in losses]).mean()
         run.grads.append(full_grads(model))  # as full_grad_dict shows them: before clipping (which only shrinks)
