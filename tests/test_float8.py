@@ -21,16 +21,18 @@ every element of that shard on another grid, an error as large as float8's own: 
 test (scales per shard) sits at 0.5-1.1. Later steps compound flips through updated weights
 (a weight element that flips moves every token's product), so the losses and the parameters
 after the steps are held to FLOAT8_TRAJECTORY = 0.5 of float8's own deviation: the layout
-must stay well inside the error float8 itself makes. A step's loss is the mean of its token
-losses, so |loss_layout - loss_float8| <= mean |per-token difference| <= 0.5 x mean |token
-loss_float8 - token loss_float32|: the yard is float8's per-token error, which no cancellation
-between tokens can shrink (the difference of the two means could be small by chance: it was 3x
-smaller with AVX2 kernels than with AVX-512). It is the loosest of the three checks: the
-per-shard fault sits at 0.24 on it, and at 1.06 and 1.03 on gradients and parameters. This holds for the two-block models here
-(at most 0.16, measured with AVX-512, AVX2 and unvectorized kernels); through ten
-blocks the flips cascade, each moving what the next cast sees, and a correct layout sits at 0.6
-(tests/test_compile.py, which therefore compares its ten-block float8 runs with the same layout
-uncompiled).
+must stay well inside the error float8 itself makes. This holds for the two-block models here
+(at most 0.16, measured with AVX-512, AVX2 and unvectorized kernels); through ten blocks the
+flips cascade, each moving what the next cast sees, and a correct layout sits at 0.6
+(tests/test_compile.py, which therefore compares its ten-block float8 runs with the same
+layout uncompiled).
+
+A step's loss is the mean of its token losses, so |loss_layout - loss_float8| <= mean
+|per-token difference| <= 0.5 x mean |token loss_float8 - token loss_float32|: the yard is
+float8's per-token error, which no cancellation between tokens can shrink (the difference of
+the two means can be small by chance: on test_compile.py's ten-block model it was 3x smaller
+with AVX2 kernels than with AVX-512). It is the loosest of the three checks: the per-shard
+fault sits at 0.24 on it, and at 1.06 and 1.03 on gradients and parameters.
 """
 
 from __future__ import annotations
