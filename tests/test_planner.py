@@ -138,7 +138,7 @@ def _tp_collectives_per_block(cases) -> list[tuple[float, float]]:
                                 sw.ParallelConfig(**config), plan="gpt")
             pm.train_step(ids)
             before = pm.tensor_parallel.regathers.beside
-            with CollectiveCounter() as counter:
+            with CollectiveCounter(c10d=True) as counter:  # regather.py's gathers are c10d calls
                 pm.train_step(ids)
             counts.append(counter.calls["all_reduce"] + (counter.calls["all_gather"] + counter.calls["reduce_scatter"]) / 2)
             beside.append((pm.tensor_parallel.regathers.beside - before) / 2)

@@ -184,7 +184,7 @@ def test_vescale_mlp_plan_verbatim():
 def _count(layers: int, sequence_parallel: bool, batch):
     pm = sw.parallelize(make_gpt(0, n_layer=layers), sw.ParallelConfig(tp=2, sequence_parallel=sequence_parallel), plan="gpt")
     pm.train_step(batch)
-    with CollectiveCounter() as counter:
+    with CollectiveCounter(c10d=True) as counter:  # regather.py's gathers are c10d calls
         pm.train_step(batch)
     return dict(counter.calls), dict(counter.bytes), dict(pm.gradients.stats.calls)
 
@@ -328,28 +328,33 @@ def _llama_collectives(layers: int, batch):
     pm = sw.parallelize(EndToEnd(transformers.LlamaForCausalLM(config)),
                         sw.ParallelConfig(tp=2, sequence_parallel=True), plan="llama")
     pm.train_step(batch)
-    with CollectiveCounter() as counter, _GathersBesideMatmuls() as beside:
+    beside = _GathersBesideMatmuls()
+    waits = pm.tensor_parallel.wait
+    pm.tensor_parallel.wait = lambda work, what, group: (beside.waited(), waits(work, what, group))
+    with CollectiveCounter(c10d=True) as counter, beside:  # regather.py's gathers are c10d calls
         pm.train_step(batch)
     return dict(counter.calls), dict(counter.bytes), beside.count
 
 
 class _GathersBesideMatmuls(TorchDispatchMode):
-    """Counts the all-gathers during which (between launch and wait) a matmul ran."""
+    """Counts backward's gathers of kept shards (c10d all-gathers, waited through the
+    tensor-parallel wait, which the caller routes through `waited`) during which, between launch
+    and wait, a matmul ran."""
 
     def __enter__(self):
-        self.count, self.launched = 0, []  # per collective launched and not waited for: a matmul since?
+        self.count, self.launched = 0, []  # per gather launched and not waited for: a matmul since?
         return super().__enter__()
+
+    def waited(self) -> None:  # the latest launch: agreements' all-gathers (waited elsewhere) come before
+        if self.launched:
+            self.count += self.launched.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
-            self.launched.append([name, False])
+        if func.namespace == "c10d" and name == "_allgather_base_":
+            self.launched.append(False)
         elif name in ("mm", "addmm", "bmm") and self.launched:
-            for entry in self.launched:
-                entry[1] = True
-        elif name == "wait_tensor" and self.launched:
-            kind, matmul_beside = self.launched.pop(0)
-            self.count += kind == "all_gather_into_tensor" and matmul_beside
+            self.launched = [True] * len(self.launched)
         return func(*args, **(kwargs or {}))
 
 

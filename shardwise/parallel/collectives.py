@@ -58,11 +58,22 @@ def _joined(gathered: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch
     return torch.cat(gathered.chunk(dist.get_world_size(group), 0), dim)
 
 
-def all_gather_started(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> Callable[[], torch.Tensor]:
-    """Launch the all-gather of `x` along `dim` now (eager code); the returned function waits
-    for it and gives every rank's `x` concatenated in rank order (not differentiable)."""
-    arriving = functional_all_gather(x.contiguous(), 0, group)
-    return lambda: _joined(funcol.wait_tensor(arriving), group, dim)
+def all_gather_started(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                       waiter: Callable[[dist.Work, str, dist.ProcessGroup], None], what: str
+                       ) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of `x` along `dim` now (eager code, c10d); the returned function
+    waits for it through `waiter(work, what, group)` (a coordinator's polled wait, which names
+    a peer that never joins) and gives every rank's `x` concatenated in rank order (not
+    differentiable)."""
+    x, size = x.contiguous(), dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    work = all_gather_single(out, x, group=group, async_op=True)
+
+    def arrive() -> torch.Tensor:
+        waiter(work, what, group)
+        return _joined(out, group, dim)
+
+    return arrive
 
 
 def all_gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -8,6 +8,12 @@ launched first and the input gradient (which needs only the weight) computed whi
 weight gradient waits for it. Modules reading the same input (q, k and v; gate and up) share one
 gather, launched by the first of their backwards, freed after the last.
 
+The gather is a c10d all-gather waited through the topology's polled wait (a peer that never
+joins is named, not waited for forever). It was a functional collective, launched here and waited
+after the matmul. The suite's three native crashes under gloo (a corrupt heap; the two with a
+native trace inside gloo's coalesced all-gather, which the functional one runs on) all came in
+sequence-parallel tests, two of them in this wait: a lead, not a proven cause.
+
 torch's `parallelize_module` keeps the gathered input whole (tp times the bytes). A saved-tensor
 hook around `F.linear` could keep the shard too, but autograd unpacks a node's saved tensors before
 it computes anything, so that gather would have nothing to run beside.
@@ -37,15 +43,17 @@ class GatheredInput:
     """A sequence shard whose all-gather backward needs again, once for every column-parallel
     matmul that kept it (`pending`)."""
 
-    def __init__(self, shard: torch.Tensor, dim: int, group: dist.ProcessGroup, counts: RegatherCounts):
-        self.shard, self.dim, self.group, self.counts = shard, dim, group, counts
+    def __init__(self, shard: torch.Tensor, dim: int, group: dist.ProcessGroup, counts: RegatherCounts,
+                 waiter: Callable[[dist.Work, str, dist.ProcessGroup], None]):
+        self.shard, self.dim, self.group, self.counts, self.waiter = shard, dim, group, counts, waiter
         self.pending = 0  # matmuls whose backward has not taken the whole input yet
         self.full: torch.Tensor | None = None  # gathered once per backward, for all of them
         self._arriving: Callable[[], torch.Tensor] | None = None  # the launched gather's wait
 
     def launch(self) -> None:
         if self.full is None and self._arriving is None:
-            self._arriving = all_gather_started(self.shard, self.group, self.dim)
+            self._arriving = all_gather_started(self.shard, self.group, self.dim, self.waiter,
+                                                "sequence parallelism's gather of a kept input shard")
 
     def take(self, shape: tuple, stride: tuple, offset: int, beside: bool) -> torch.Tensor:
         """The whole input as the matmul read it (waiting for the launched gather)."""

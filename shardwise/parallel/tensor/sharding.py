@@ -55,6 +55,7 @@ class TensorParallel:
 
     def __init__(self, topology: Topology, resolved: ResolvedPlan):
         self.group = topology.group("tp")
+        self.wait = topology.wait  # polled waits for eager collectives (regather.py)
         self.mesh = topology.mesh["tp"]
         self.size = topology.sizes["tp"]
         self.rank = topology.tp_rank
@@ -216,7 +217,7 @@ class TensorParallel:
         if entered is None:
             entered = by_placement[key] = enter_parallel(x, src, self.group)
             if isinstance(src, Shard) and entered is not x and not torch.compiler.is_compiling():
-                gathered = GatheredInput(x.detach(), src.dim % x.dim(), self.group, self.regathers)
+                gathered = GatheredInput(x.detach(), src.dim % x.dim(), self.group, self.regathers, self.wait)
                 self._gathered[storage_id(entered.untyped_storage())] = gathered
                 self._keyed_by_storage.append(entered)
         return entered
