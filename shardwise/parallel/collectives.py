@@ -66,7 +66,7 @@ def all_gather_started(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
     a peer that never joins) and gives every rank's `x` concatenated in rank order (not
     differentiable)."""
     x, size = x.contiguous(), dist.get_world_size(group)
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,))
     work = all_gather_single(out, x, group=group, async_op=True)
 
     def arrive() -> torch.Tensor:
@@ -140,10 +140,7 @@ def polled_ops(waiter: Callable[[dist.Work, str, dist.ProcessGroup], None], what
         return out
 
     def all_gather(x, group, dim):
-        x, size = x.contiguous(), dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,))
-        waiter(all_gather_single(out, x, group=group, async_op=True), f"{what}: all-gather", group)
-        return out if dim == 0 else torch.cat(out.chunk(size, 0), dim)
+        return all_gather_started(x, group, dim, waiter, f"{what}: all-gather")()
 
     def reduce_scatter(x, group, dim):
         size = dist.get_world_size(group)
