@@ -88,6 +88,22 @@ class ParallelModule(nn.Module):
     def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy, copy.copy, pickle, torch.save(pmodel)
         raise ModelError(_NOT_COPIED)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ParallelModule:
+        """`pmodel.to(...)`, `.half()`, `.cuda()` and the like: run as torch runs them where no
+        parameter or buffer would change dtype or device (`pmodel.to(its own device)`), refused
+        where one would. The gradient buckets, optimizer shards, ZeRO-3's gathers and the
+        float32 masters were built for the dtypes and devices parallelize saw: a later `.to`
+        left them behind (a raw error in backward under dp, a crash in torch under ZeRO-3)."""
+        changes = sorted(_conversions(self, fn))
+        if changes:
+            before, after = changes[0]
+            raise ConfigError(
+                f"converting a ParallelModule (pmodel.to, .half, .bfloat16, .cuda, ...) after sw.parallelize would "
+                f"move its tensors from {before} to {after}; its gradient buckets, optimizer shards and gathers were "
+                "built for the first. Convert or move the module before sw.parallelize (model.to(...)); for a "
+                "low-precision run set ParallelConfig(param_dtype=torch.bfloat16), which keeps float32 masters")
+        return super()._apply(fn, recurse)
+
     # running -------------------------------------------------------------------------
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         """The context forward and backward of a loss-parallel plan run in (a no-op otherwise):
@@ -344,6 +360,19 @@ class ParallelModule(nn.Module):
         `batch`, also the activation bytes one microbatch saves for backward (collective then:
         every rank calls it, as sw.activation_memory)."""
         return report.summary(self, batch)
+
+
+def _conversions(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> set[tuple[str, str]]:
+    """The (dtype on device) pairs of `module`'s tensors that `fn` (an `nn.Module._apply`
+    conversion) would change, each with what it makes of them: `fn` runs on an empty tensor
+    of each kind, never on the tensors themselves (ZeRO-3's hold no storage between steps)."""
+    kinds = {(t.dtype, t.device) for t in (*module.parameters(), *module.buffers())}
+    changed = set()
+    for dtype, device in kinds:
+        out = fn(torch.empty(0, dtype=dtype, device=device))
+        if (out.dtype, out.device) != (dtype, device):
+            changed.add((f"{dtype} on {device}", f"{out.dtype} on {out.device}"))
+    return changed
 
 
 class DataParallelInfo(NamedTuple):

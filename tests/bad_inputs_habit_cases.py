@@ -2,7 +2,8 @@
 (merged into `RANKS2` of bad_inputs_rank_cases.py): an optimizer that is not element-wise where
 it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
 changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
-resize_token_embeddings), and a ParallelModule left to the cyclic collector."""
+resize_token_embeddings), a ParallelModule left to the cyclic collector, and one converted with
+`.to(dtype)` or `.half()`."""
 
 from __future__ import annotations
 
@@ -111,6 +112,20 @@ def _freed_by_the_collector(during: str):
             gc.enable()
 
 
+def _converted(conversion: str, **config):
+    """The ParallelModule converted after parallelize (a raw error in backward under dp, a
+    RuntimeError on ZeRO-3's storage-less parameters, a crash in torch for .double() there);
+    a conversion that changes nothing runs as torch runs it, and the model trains."""
+    plan = "gpt" if config.get("tp", 1) > 1 else None
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    device = next(pm.parameters()).device
+    {"to bfloat16": lambda: pm.to(torch.bfloat16), "half": pm.half, "double": pm.double,
+     "to its own device": lambda: pm.to(device), "float": pm.float}[conversion]()
+    index, count = sw.data_parallel_info(pm)
+    pm.train_step(replica_slice(gpt_batches(1, 4)[0], index, count))
+    return "trained"
+
+
 class _Headed(nn.Module):
     """A plain module applying its own trainable head to a ParallelModule's outputs."""
 
@@ -162,6 +177,16 @@ HABITS = {
         lambda: _freed_by_the_collector("build"), None, check=lambda v: v == 0),
     "a ParallelModule freed by the collector while an optimizer steps": Case(
         lambda: _freed_by_the_collector("step"), None, check=lambda v: v == 0),
+    "pmodel.to(torch.bfloat16) after parallelize": Case(lambda: _converted("to bfloat16"), "ConfigError",
+                                                        "would move its tensors from torch.float32 on"),
+    "pmodel.half() after parallelize, ZeRO-3": Case(lambda: _converted("half", zero=3), "ConfigError",
+                                                    "to torch.float16 on"),
+    "pmodel.double() after parallelize, tp": Case(lambda: _converted("double", tp=2), "ConfigError",
+                                                  "set ParallelConfig(param_dtype=torch.bfloat16)"),
+    "pmodel.to(its own device) after parallelize, ZeRO-3": Case(lambda: _converted("to its own device", zero=3),
+                                                                None, check=lambda v: v == "trained"),
+    "pmodel.float() on a float32 model after parallelize": Case(lambda: _converted("float"), None,
+                                                                check=lambda v: v == "trained"),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }
