@@ -7,6 +7,7 @@ zoo plan finds its class wherever it is in the tree.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -15,7 +16,7 @@ import transformers
 from torch import nn
 
 import shardwise as sw
-from parity import EPS_LOSS, Case, compare_cases, corpus_batches, run_and_compare
+from parity import EPS_GRAD, EPS_LOSS, Case, compare_cases, corpus_batches, run_and_compare
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
               intermediate_size=64, max_position_embeddings=64)
@@ -102,6 +103,54 @@ def test_evaluation_under_inference_mode():
                 want = float(model(batches(kind, 1)[0]))
             for got in results[kind]:
                 assert abs(got - want) <= EPS_LOSS * abs(want), (kind, results[kind], want)
+
+
+PROMPT = torch.tensor([[5, 17, 3, 40], [12, 7, 29, 2]])
+GENERATE_LAYOUTS = {"tp2": ({"tp": 2}, "llama", False), "zero3": ({"zero": 3}, None, False),
+                    "zero3 inside whole_parameters()": ({"zero": 3}, None, True),
+                    "tp2 sp": ({"tp": 2, "sequence_parallel": True}, "llama", False)}
+
+
+def _generate(model: nn.Module, whole: contextlib.AbstractContextManager = contextlib.nullcontext()):
+    """transformers' greedy `generate` on the Llama inside `model`: the tokens and each step's logits."""
+    with whole:
+        out = model.lm.generate(PROMPT, max_new_tokens=6, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _generate_in_layouts():
+    out = {}
+    for name, (config, plan, whole) in GENERATE_LAYOUTS.items():
+        model = make("llama")
+        pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan)
+        try:
+            out[name] = _generate(model, pm.whole_parameters() if whole else contextlib.nullcontext())
+        except sw.ShardwiseError as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_generate_on_the_hugging_face_model():
+    """transformers' `generate` called on the model a ParallelModule holds (users sample during
+    training). Under a loss-parallel tp plan it met torch's DTensor argmax over vocabulary shards
+    (a raw shape error); inside ZeRO-3's `whole_parameters()` its forwards released the buffers
+    the block's end reads. Each step's logits must be one process's within tests/parity.py's
+    EPS_GRAD of their largest (a forward's rounding, below the forward and backward's that bound
+    covers), and the tokens the same: the reference's top two logits differ by more than twice
+    that at every step, so rounding cannot change which wins. Under sequence parallelism the
+    one-token steps cannot be cut over tp: a PlanError on every rank, not a hang."""
+    want_tokens, want_logits = _generate(make("llama"))
+    top2 = want_logits.topk(2, dim=-1).values
+    bounds = EPS_GRAD * want_logits.abs().amax(dim=-1)
+    assert bool((top2[..., 0] - top2[..., 1] > 2 * bounds).all()), "the prompt's greedy choices are too close to call"
+    for results in sw.testing.run_on_ranks(_generate_in_layouts, 2):
+        for name in ("tp2", "zero3", "zero3 inside whole_parameters()"):
+            assert not isinstance(results[name], str), (name, results[name])
+            tokens, logits = results[name]
+            assert torch.equal(tokens, want_tokens), (name, tokens, want_tokens)
+            assert bool(((logits - want_logits).abs() <= bounds[..., None]).all()), name
+        assert results["tp2 sp"].startswith("PlanError: cannot shard a tensor of shape"), results["tp2 sp"]
 
 
 DECODERS = ["llama", "qwen2", "mistral", "gpt2"]

@@ -99,6 +99,7 @@ class ParameterShards:
         # since `most_whole_bytes` was last set: the planner charges two units' worth (and the kept)
         self.whole_bytes = sum(b.param_buffer.untyped_storage().nbytes() for b in gradients.buckets)
         self.most_whole_bytes = 0
+        self._held_whole = 0  # open `whole()` blocks: nothing is released inside one
         self.release_all()
 
     # gather and release -------------------------------------------------------------------
@@ -142,7 +143,7 @@ class ParameterShards:
             self._float8[key].lend()
 
     def _release(self, bucket: Bucket) -> None:
-        if bucket in self._kept:
+        if bucket in self._kept or self._held_whole:
             return
         if id(bucket) in self._works or id(bucket) in self._works8:  # an unused prefetch: finish it first
             self._gather(bucket, wait_now=True, whole=id(bucket) in self._works)
@@ -171,14 +172,18 @@ class ParameterShards:
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
         """Every parameter whole inside the block (collective); writes to them are kept.
-        A float32 master shard takes its part again only if something wrote to it."""
+        A float32 master shard takes its part again only if something wrote to it. Forwards
+        run inside (transformers' `generate`) release nothing: they once freed the buffers
+        the block's end reads."""
         for bucket in self.gradients.buckets:
             self._gather(bucket, wait_now=True, whole=True)
         gathered = {id(b): b.buffer_part.clone()
                     for b in self.gradients.buckets if b.param_shard.dtype != b.param_buffer.dtype}
+        self._held_whole += 1
         try:
             yield
         finally:
+            self._held_whole -= 1
             for bucket in self.gradients.buckets:
                 bucket.keep_param_shard(gathered.get(id(bucket)))
             self.release_all()

@@ -60,6 +60,7 @@ class TensorParallel:
         self.resolved = resolved
         self.partial_grad_params: set[int] = set()  # ids of replicated params whose grads are partial over tp
         self.plain_loss = PlainLoss()  # from a loss-parallel head's output to the forward's end
+        self.forwards_open = 0  # pmodel's forwards running (a loss-parallel head called outside one gives whole logits)
         self.sharded_modules: dict[str, str] = {}  # module path -> rule name
         self.rule_classes: dict[type, type] = {}  # a module class -> its class computing by a rule (install_rule)
         self.column_blocks: dict[str, int] = {}  # modules whose output features are sharded -> blocks (StridedShard)
@@ -269,10 +270,12 @@ class TensorParallel:
         """Around one forward of `module` (or of a pipeline stage of it): the first is checked,
         and the per-forward state is dropped after each."""
         self.refuse_compiling(module, self.compiled_blocks())
+        self.forwards_open += 1
         try:
             with self.check_first_forward(module):
                 yield
         finally:
+            self.forwards_open -= 1
             self.end_forward()
 
     def is_replaying(self, path: str) -> bool:
@@ -294,6 +297,10 @@ class TensorParallel:
         dst = self.output_placement(layout, default)
         y = redistribute(y, natural, dst, self.group)
         if layout.loss_parallel:
+            if not self.forwards_open and not torch.is_grad_enabled():
+                # the model called for inference outside pmodel (transformers' generate): its
+                # sampling reads the logits whole (torch's DTensor argmax over the shards fails)
+                return redistribute(y, dst, Replicate(), self.group)
             self.plain_loss.enter()
             return DTensor.from_local(y, self.mesh, [dst], run_check=False)
         return y
