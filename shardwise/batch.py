@@ -7,6 +7,8 @@ are. Errors name the offending leaf by its path in the batch (e.g. `batch['label
 
 from __future__ import annotations
 
+import copy
+from collections import UserDict
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -28,17 +30,42 @@ def leaves(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
         yield path, obj
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Rebuild `obj` with `fn` applied to every tensor leaf."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], keep_mappings: bool = True) -> Any:
+    """Rebuild `obj` with `fn` applied to every tensor leaf; mappings keep their type where
+    they can (`_same_mapping`), or all become dicts without `keep_mappings`."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Mapping):
-        return {key: map_tensors(value, fn) for key, value in obj.items()}
+        items = {key: map_tensors(value, fn, keep_mappings) for key, value in obj.items()}
+        return _same_mapping(obj, items) if keep_mappings else items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn, keep_mappings) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn, keep_mappings) for v in obj)
     return obj
+
+
+def with_dicts(batch: Any) -> Any:
+    """`batch` with its mappings made dicts: pipeline programs flatten their inputs with torch's
+    pytree, which sees a tokenizer's BatchEncoding as one leaf and the tensors in it as none
+    (its stages then waited on each other for ever)."""
+    return map_tensors(batch, lambda t: t, keep_mappings=False)
+
+
+def _same_mapping(obj: Mapping, items: dict) -> Mapping:
+    """`items` in `obj`'s own type where that is a dict or UserDict subclass (transformers'
+    BatchEncoding and ModelOutput, OrderedDict), whose copies own their items, so the user's
+    batch is left as it was; any other mapping becomes a dict. A forward reading
+    `batch.input_ids` from a tokenizer's output failed on the dict it was given."""
+    if type(obj) is dict or not isinstance(obj, (dict, UserDict)):
+        return items
+    try:
+        out = copy.copy(obj)
+        for key, value in items.items():
+            out[key] = value
+    except Exception:  # a subclass whose copy or item assignment is refused: a dict, as before
+        return items
+    return out
 
 
 def batch_size(batch: Any) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batch import split_batch
+from .batch import split_batch, with_dicts
 from .comm import broadcast_rng_state
 from .config import SCHEDULES, ParallelConfig
 from .checkpoint.pretrained import guard_hugging_face_saves
@@ -372,7 +373,7 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
         raise ConfigError(
             f"schedule {config.schedule!r} needs microbatches divisible by pp={config.pp}, got {config.microbatches}"
         )
-    microbatch = split_batch(sample, config.microbatches)[0]
+    microbatch = split_batch(with_dicts(sample), config.microbatches)[0]
     draws = whole_sequence_draws(config.cp, config.sequence_dim) if config.cp > 1 else None
     router_rows = config.resolve(dist.get_world_size()).dp * config.cp  # a capture routes one rank's tokens
     try:
@@ -381,8 +382,10 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample
+        as_dict = " (pipeline stages get a mapping batch as a dict: read it by key, batch['input_ids'])" \
+            if isinstance(sample, Mapping) and type(sample) is not dict else ""
         raise ModelError(f"{type(module).__name__}'s forward raised {type(exc).__name__} on the sample batch "
-                         f"(pipeline stages are laid out from one forward of it): {exc}") from exc
+                         f"(pipeline stages are laid out from one forward of it): {exc}{as_dict}") from exc
     if config.cp > 1:
         refuse_shifted_labels(program.steps)
     layout = layout_stages(module, plan, config, program)

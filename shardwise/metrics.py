@@ -37,12 +37,13 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from .batch import leaves as batch_leaves
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -114,9 +115,9 @@ def count_tokens(module: Any, batch: Any) -> int:
     own = getattr(module, "count_tokens", None)
     if callable(own):
         return int(own(batch))
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].numel()
-    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    leaves = [t for _, t in batch_leaves(batch) if isinstance(t, torch.Tensor)]
     ids = next((t for t in leaves if not t.is_floating_point() and t.dim() >= 2), None)
     if ids is not None:
         return ids.numel()
@@ -134,7 +135,7 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def _shape_key(batch: Any) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    return tuple((tuple(t.shape), t.dtype) for _, t in batch_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def peak_memory(device: torch.device) -> int:

@@ -3,7 +3,7 @@
 it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
 changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
 resize_token_embeddings), a ParallelModule left to the cyclic collector, and one converted with
-`.to(dtype)` or `.half()`."""
+`.to(dtype)` or `.half()`, and a tokenizer's BatchEncoding as the batch."""
 
 from __future__ import annotations
 
@@ -126,6 +126,40 @@ def _converted(conversion: str, **config):
     return "trained"
 
 
+class _ReadsByAttribute(nn.Module):
+    """An end2end module reading a tokenizer's BatchEncoding by attribute (or by key) and
+    returning transformers' own output."""
+
+    def __init__(self, lm: nn.Module, by_key: bool):
+        super().__init__()
+        self.lm, self.by_key = lm, by_key
+
+    def forward(self, batch):
+        if self.by_key:
+            return self.lm(input_ids=batch["input_ids"], labels=batch["labels"])
+        return self.lm(input_ids=batch.input_ids, labels=batch.labels)
+
+
+def _batch_encoding(by_key: bool = False, **config):
+    """A tokenizer's BatchEncoding as the batch: it reached the forward as a dict (an
+    AttributeError from `batch.input_ids`), and infer_step gave transformers' output as a dict
+    (no `.logits`); under pp the stages get dicts, as before (a BatchEncoding kept whole there
+    hid its tensors from the pipeline's program, and the stages waited for ever). Returns the
+    outputs' type and logits' shape, and whether the user's batch still holds its own tensors."""
+    import transformers
+    from test_zoo import batches, make
+
+    batch = transformers.BatchEncoding(batches("llama", 1)[0])
+    held = dict(batch)
+    pm = sw.parallelize(_ReadsByAttribute(make("llama").lm, by_key), sw.ParallelConfig(**config),
+                        sample=batch if config.get("pp", 1) > 1 else None)
+    index, count = sw.data_parallel_info(pm)
+    mine = transformers.BatchEncoding({k: v.chunk(count)[index] for k, v in batch.items()})
+    pm.train_step(mine)
+    out = pm.infer_step(mine)
+    return type(out).__name__, tuple(out["logits"].shape), all(batch[k] is held[k] for k in held)
+
+
 class _Headed(nn.Module):
     """A plain module applying its own trainable head to a ParallelModule's outputs."""
 
@@ -187,6 +221,15 @@ HABITS = {
                                                                 None, check=lambda v: v == "trained"),
     "pmodel.float() on a float32 model after parallelize": Case(lambda: _converted("float"), None,
                                                                 check=lambda v: v == "trained"),
+    "a tokenizer's BatchEncoding read by attribute": Case(
+        lambda: _batch_encoding(microbatches=2), None,
+        check=lambda v: v == ("CausalLMOutputWithPast", (2, 16, 64), True)),
+    "a tokenizer's BatchEncoding read by key, pp": Case(
+        lambda: _batch_encoding(by_key=True, pp=2, microbatches=2), None,
+        check=lambda v: v == ("CausalLMOutputWithPast", (4, 16, 64), True)),
+    "a tokenizer's BatchEncoding read by attribute, pp": Case(
+        lambda: _batch_encoding(pp=2, microbatches=2), "ModelError",
+        "'dict' object has no attribute 'input_ids' (pipeline stages get a mapping batch as a dict"),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import OrderedDict, defaultdict, namedtuple
+from collections.abc import Mapping
 
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardwise as sw
-from shardwise.batch import split_batch
+from shardwise.batch import split_batch, with_dicts
 from shardwise.plan import Conversion
 
 
@@ -22,6 +23,43 @@ def test_split_nested_batch():
     assert parts[3]["meta"]["ids"][0].tolist() == [6, 7] and parts[3]["meta"]["ids"][1] == "tag"
     assert isinstance(parts[2]["p"], Pair) and parts[2]["p"].b.item() == 2.0
     assert split_batch(batch, 1) == [batch]
+
+
+class _Frozen(Mapping):
+    """A read-only mapping of the user's own, whose copy would share its items."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_split_keeps_the_batch_mapping_types():
+    """A tokenizer's BatchEncoding (a UserDict) and transformers' ModelOutput (a dict) keep
+    their type in each microbatch, so a forward reading `batch.input_ids` runs; the user's batch
+    is left as it was. A mapping whose copy would share its items becomes a dict."""
+    from transformers import BatchEncoding
+    from transformers.modeling_outputs import CausalLMOutput
+
+    ids = torch.arange(8).view(4, 2)
+    for batch in (BatchEncoding({"input_ids": ids}), CausalLMOutput(logits=ids), OrderedDict(input_ids=ids),
+                  defaultdict(list, input_ids=ids)):
+        key = next(iter(batch))
+        parts = split_batch(batch, 2)
+        assert [type(part) for part in parts] == [type(batch)] * 2, type(batch)
+        assert parts[1][key].tolist() == [[4, 5], [6, 7]] and batch[key] is ids
+    assert split_batch(BatchEncoding({"input_ids": ids}), 2)[1].input_ids.tolist() == [[4, 5], [6, 7]]
+    frozen = _Frozen({"input_ids": ids})
+    parts = split_batch(frozen, 2)
+    assert type(parts[0]) is dict and frozen["input_ids"] is ids
+    assert type(with_dicts(BatchEncoding({"input_ids": ids}))) is dict
 
 
 def test_plan_round_trips_through_json(tmp_path):

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...batch import batch_size, loss_of, map_tensors, split_batch
+from ...batch import batch_size, loss_of, map_tensors, split_batch, with_dicts
 from ...config import SCHEDULES
 from ...plan.stages import StageLayout
 from ...random_state import rng_state, set_rng_state, without_trace
@@ -390,6 +390,7 @@ class Pipeline:
         `loss_scale` the loss backward starts from (float16's loss scaler); `reduce="sum"`
         sums the microbatches' losses and gradients instead of averaging them."""
         self._loss_scale, self._parts = loss_scale, self.microbatches if reduce == "mean" else 1
+        batch = with_dicts(batch)
         microbatches = split_batch(batch, self.microbatches)
         compiled = self.compiled(microbatches[0])
         schedule = self._schedule(compiled, training=True)
@@ -420,12 +421,13 @@ class Pipeline:
     def training_order(self, batch: Any) -> list | None:
         """This rank's actions (runner.Step) in a training step on `batch`, in order; None
         where torch's executor runs the schedule (zero-bubble)."""
-        schedule = self._schedule(self.compiled(split_batch(batch, self.microbatches)[0]), training=True)
+        schedule = self._schedule(self.compiled(split_batch(with_dicts(batch), self.microbatches)[0]), training=True)
         return list(schedule.steps) if isinstance(schedule, OrderRunner) else None
 
     @torch.no_grad()
     def infer_step(self, batch: Any) -> Any:
         """The forward's outputs for `batch`, the microbatches pipelined; on every pipeline rank."""
+        batch = with_dicts(batch)
         parts = self.microbatches if batch_size(batch) % self.microbatches == 0 else 1
         if parts != self.microbatches:
             return self._infer_sequentially(batch)
