@@ -129,6 +129,8 @@ class ParallelModule(nn.Module):
 
         With pipeline parallelism use train_step and infer_step: one rank holds only its stages.
         """
+        if torch.compiler.is_compiling():
+            _refuse_tracing("pmodel's forward (torch.compile(pmodel))")
         if self.pipeline is not None or self.context_parallel is not None:
             raise ModelError(f"with {'pp' if self.pipeline is not None else 'cp'} > 1 a forward spans ranks (and "
                              "shardwise splits the batch): use pmodel.train_step(batch) or pmodel.infer_step(batch)")
@@ -198,6 +200,8 @@ class ParallelModule(nn.Module):
         return out
 
     def _train_step(self, batch: Any, reduce: str, outputs: bool, measured: Any = None) -> torch.Tensor | StepOutput:
+        if torch.compiler.is_compiling():
+            _refuse_tracing("pmodel.train_step")
         check_reduce(reduce, outputs, self.pipeline is not None, self.context_parallel is not None)
         if reduce == "tokens" and self.expert_parallel is not None:
             raise ConfigError("train_step(reduce='tokens') with ep > 1: expert gradients take each replica's weight "
@@ -373,6 +377,17 @@ def _conversions(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) 
         if (out.dtype, out.device) != (dtype, device):
             changed.add((f"{dtype} on {device}", f"{out.dtype} on {out.device}"))
     return changed
+
+
+@torch.compiler.disable
+def _refuse_tracing(what: str) -> None:
+    """Raised eagerly (Dynamo breaks its graph at a disabled call and runs it): torch.compile
+    tracing through shardwise's step would compile its agreements, collectives and hooks too
+    (under tp a raw AssertionError from Dynamo; on torch before 2.13 DTensor gradients lost)."""
+    raise ConfigError(
+        f"torch.compile traced {what}: that would compile shardwise's own step (its agreements, collectives and "
+        "hooks) with your model. Compile the model's blocks with pmodel.compile(...) instead (the same arguments "
+        "as torch.compile): each block compiled in place, as torchtitan does, the step around them eager")
 
 
 class DataParallelInfo(NamedTuple):

@@ -3,7 +3,8 @@
 it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
 changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
 resize_token_embeddings), a ParallelModule left to the cyclic collector, and one converted with
-`.to(dtype)` or `.half()`, and a tokenizer's BatchEncoding as the batch."""
+`.to(dtype)` or `.half()` or by torch.compile whole, and a tokenizer's BatchEncoding as the
+batch."""
 
 from __future__ import annotations
 
@@ -126,6 +127,22 @@ def _converted(conversion: str, **config):
     return "trained"
 
 
+def _compiled_whole(call: str, **config):
+    """torch.compile on the ParallelModule itself (DDP's and FSDP2's habit): it traced
+    shardwise's step with the model (under tp a raw AssertionError from Dynamo's set_stance);
+    a compiled function calling train_step, the same."""
+    plan = "gpt" if config.get("tp", 1) > 1 else None
+    pm = sw.parallelize(make_gpt(0), sw.ParallelConfig(**config), plan=plan)
+    index, count = sw.data_parallel_info(pm)
+    batch = replica_slice(gpt_batches(1, 4)[0], index, count)
+    if call == "forward":
+        out = torch.compile(pm, backend="eager")(batch)
+        (out[0] if isinstance(out, tuple) else out).backward()
+    else:
+        torch.compile(lambda b: pm.train_step(b), backend="eager")(batch)
+    return "compiled"
+
+
 class _ReadsByAttribute(nn.Module):
     """An end2end module reading a tokenizer's BatchEncoding by attribute (or by key) and
     returning transformers' own output."""
@@ -230,6 +247,12 @@ HABITS = {
     "a tokenizer's BatchEncoding read by attribute, pp": Case(
         lambda: _batch_encoding(pp=2, microbatches=2), "ModelError",
         "'dict' object has no attribute 'input_ids' (pipeline stages get a mapping batch as a dict"),
+    "torch.compile(pmodel)": Case(lambda: _compiled_whole("forward"), "ConfigError",
+                                  "torch.compile traced pmodel's forward (torch.compile(pmodel))"),
+    "torch.compile(pmodel) under tp": Case(lambda: _compiled_whole("forward", tp=2), "ConfigError",
+                                           "Compile the model's blocks with pmodel.compile(...) instead"),
+    "torch.compile of a function calling train_step": Case(lambda: _compiled_whole("train_step"), "ConfigError",
+                                                           "torch.compile traced pmodel.train_step"),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }
