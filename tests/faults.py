@@ -45,6 +45,7 @@ def inject(name: str, config: dict) -> None:
     import shardwise.parallel.data.replicas as replicas
     import shardwise.parallel.pipeline.stages as pipeline
     import shardwise.parallel.recompute as recompute
+    import shardwise.parallel.tensor.rules as tensor_rules
     import shardwise.parallel.tensor.sharding as tensor
 
     if name == "expert-tokens-dropped":  # a capacity limit (factor 1): slots past it on a rank reach no expert
@@ -172,7 +173,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "tied-not-summed":  # a tied embedding's gradient not summed across pipeline stages
         build.tied_across_ranks = lambda *args, **kwargs: {}
     elif name == "dropout-per-shard":  # each sequence shard draws its own dropout mask
-        tensor.ShardedDropout.forward = lambda mod, x: F.dropout(x, mod.p, mod.training)
+        tensor_rules.ShardedDropout.forward = lambda mod, x: F.dropout(x, mod.p, mod.training)
     elif name == "replica-weight-ignored":  # replicas weighted equally whatever their sample counts
         import shardwise.step as step
 
@@ -205,7 +206,7 @@ def inject(name: str, config: dict) -> None:
     elif name == "cp-random-per-shard":  # dropout and random fills on a cp shard draw for the shard alone
         context.SequenceDraws.intercepts = lambda self, func, args: False
     elif name == "jitter-per-shard":  # a router's input jitter drawn for each sequence shard alone
-        tensor.ShardedJitter.install = lambda self, module: None
+        tensor_rules.ShardedJitter.install = lambda self, module: None
     elif name == "cp-loss-unweighted":  # cp shards' mean losses averaged whatever their counted tokens
         context.ContextParallel.loss_weights = lambda self, batch, parts: [1.0] * parts
     elif name == "cp-positions-local":  # no position_ids: the model numbers a shard's tokens from 0
