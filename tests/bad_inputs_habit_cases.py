@@ -3,8 +3,8 @@
 it would see parts of parameters, a head trained on a ParallelModule's outputs, and the model
 changed after parallelize (a parameter unfrozen or frozen, a new head or parameter assigned,
 resize_token_embeddings), a ParallelModule left to the cyclic collector, and one converted with
-`.to(dtype)` or `.half()` or by torch.compile whole, and a tokenizer's BatchEncoding as the
-batch."""
+`.to(dtype)` or `.half()` or by torch.compile whole, or called directly under pp, and a
+tokenizer's BatchEncoding as the batch."""
 
 from __future__ import annotations
 
@@ -143,6 +143,22 @@ def _compiled_whole(call: str, **config):
     return "compiled"
 
 
+def _called_directly_under_pp(how: str):
+    """The model called directly under pp (it failed deep in torch on a dropped unit's `weight`
+    None): transformers' generate on a Hugging Face Llama, or the model's own forward."""
+    from test_zoo import batches, make
+
+    model = make("llama")
+    batch = batches("llama", 1)[0]
+    sw.parallelize(model, sw.ParallelConfig(pp=2, microbatches=2), sample=batch)
+    with torch.no_grad():
+        if how == "generate":
+            model.lm.generate(batch["input_ids"][:1, :4], max_new_tokens=2, do_sample=False)
+        else:
+            model(batch)
+    return "ran"
+
+
 class _ReadsByAttribute(nn.Module):
     """An end2end module reading a tokenizer's BatchEncoding by attribute (or by key) and
     returning transformers' own output."""
@@ -253,6 +269,10 @@ HABITS = {
                                            "Compile the model's blocks with pmodel.compile(...) instead"),
     "torch.compile of a function calling train_step": Case(lambda: _compiled_whole("train_step"), "ConfigError",
                                                            "torch.compile traced pmodel.train_step"),
+    "transformers' generate under pp": Case(lambda: _called_directly_under_pp("generate"), "ModelError",
+                                            "a direct call of the model under pp=2"),
+    "the model's own forward under pp": Case(lambda: _called_directly_under_pp("forward"), "ModelError",
+                                             "Run it through pmodel.train_step(batch) or pmodel.infer_step(batch)"),
     "a parameter frozen after parallelize": Case(lambda: _trainable_set_changed(False, zero=1), None,
                                                  check=lambda v: v == ["lm_head.weight", "wte.weight"]),
 }

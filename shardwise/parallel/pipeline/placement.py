@@ -1,11 +1,15 @@
 """Which pipeline rank holds which module's states: each rank keeps only the parameters and
 buffers of the stages it runs, and parameters shared by stages on several ranks (an input
-embedding tied to the output head) are named so that their gradients can be summed."""
+embedding tied to the output head) are named so that their gradients can be summed. A
+dropped unit refuses a direct call of the model, which would reach it."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
+from ...errors import ModelError
 from ...plan.stages import StageLayout
 
 
@@ -28,6 +32,7 @@ def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dic
     for path, stage in layout.stage_of.items():
         if stage in mine:
             continue
+        module.get_submodule(path).register_forward_pre_hook(functools.partial(_held_elsewhere, pp=layout.pp))
         for mod in module.get_submodule(path).modules():
             for name, param in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
                 if id(param) not in kept:
@@ -35,6 +40,17 @@ def prune_to_stages(module: nn.Module, layout: StageLayout, pp_rank: int) -> dic
             for name, _ in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
                 setattr(mod, name, None)
     return stage_of_key
+
+
+def _held_elsewhere(mod: nn.Module, args: tuple, *, pp: int) -> None:
+    """Forward pre-hook on a pruned unit, which the pipeline never runs on this rank: a direct
+    call of the model (transformers' `generate`) reached it, and would fail on its missing
+    weights (`weight` None) deep inside torch. The message is every rank's (each reaches a
+    different unit)."""
+    raise ModelError(
+        f"a direct call of the model under pp={pp} (model(...), transformers' generate) reached layers whose weights "
+        "another pipeline rank holds: each rank keeps only its stages. Run it through pmodel.train_step(batch) or "
+        "pmodel.infer_step(batch), which pass activations between the stages")
 
 
 def tied_across_ranks(module: nn.Module, layout: StageLayout) -> dict[str, list[int]]:
