@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import trace_range
@@ -94,7 +95,13 @@ class ParallelOptimizer:
         step = super().step.__func__  # type: ignore[misc]
         if getattr(step, "hooked", False):
             step = step.__wrapped__
-        return step(self, closure)
+        if self._pmodel.tensor_parallel is None:
+            return step(self, closure)
+        # tp's sharded parameters are DTensors, its replicated ones plain tensors: a foreach or fused
+        # step (torch's default on CUDA) takes them in one list, which DTensor refuses as mixed
+        # unless the plain ones count as replicated
+        with implicit_replication():
+            return step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._found_inf = None

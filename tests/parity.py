@@ -113,7 +113,11 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def optimizer_for(kind: str) -> tuple[type, dict]:
-    return {"sgd": (torch.optim.SGD, SGD), "adamw": (torch.optim.AdamW, ADAMW)}[kind]
+    """"sgd" or "adamw", optionally with torch's multi-tensor step ("sgd foreach", "adamw
+    foreach") or fused one ("adamw fused"): the same arithmetic per element, so the same bounds."""
+    name, _, variant = kind.partition(" ")
+    cls, kwargs = {"sgd": (torch.optim.SGD, SGD), "adamw": (torch.optim.AdamW, ADAMW)}[name]
+    return cls, {**kwargs, **({variant: True} if variant else {})}
 
 
 def _loss_value(out) -> torch.Tensor:
@@ -300,7 +304,7 @@ def assert_parity(ref: Run, got: Run, optimizer: str = "sgd") -> dict[str, float
         assert diff <= scale, f"first-step gradient of {key}: max diff {diff:.3g} > {EPS_GRAD:g} x max|g| = {scale:.3g}"
     assert got.final.keys() == ref.final.keys()
     _, kwargs = optimizer_for(optimizer)
-    if optimizer == "sgd":
+    if optimizer.startswith("sgd"):
         bounds = sgd_bounds(ref, kwargs["lr"], kwargs["momentum"])
         for key, want in ref.final.items():
             diff = _inf(got.final[key].double() - want.double())
@@ -321,7 +325,7 @@ def assert_meaningful(ref: Run, optimizer: str = "sgd") -> None:
     never stepped would fail the comparison."""
     _, kwargs = optimizer_for(optimizer)
     assert ref.losses[-1] < ref.losses[0] * 0.98, f"the loss hardly moved: {ref.losses}"
-    if optimizer == "sgd":
+    if optimizer.startswith("sgd"):
         moved = sum(_inf(ref.final[k].double() - ref.initial[k].double()) for k in ref.final)
         bound = sum(sgd_bounds(ref, kwargs["lr"], kwargs["momentum"]).values())
         assert moved > 10 * bound, f"parameters moved {moved:.3g} in all, not far above the bounds' {bound:.3g}"

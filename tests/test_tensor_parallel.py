@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
-from parity import (EPS_GRAD, EPS_LOSS, SGD, Run, assert_meaningful, assert_parity, full_grads, gpt_batches, make_gpt,
-                    reference_run, run_and_compare)
+from parity import (EPS_GRAD, EPS_LOSS, SGD, Case, Run, assert_meaningful, assert_parity, full_grads, gpt_batches, make_gpt,
+                    compare_cases, reference_run, run_and_compare)
 from shardwise.comm import CollectiveCounter
 from shardwise.plan import resolve_plan
 
@@ -31,6 +31,14 @@ gpt = functools.partial(make_gpt, 0)
 ])
 def test_gpt_parity(world, config):
     run_and_compare(world, config, gpt, gpt_batches(STEPS, 8), plan="gpt")
+
+
+def test_foreach_and_fused_optimizer_steps():
+    """torch's multi-tensor and fused optimizer steps (foreach is its default on CUDA) take tp's
+    sharded parameters (DTensors) and replicated ones (plain) in one list, which DTensor refused
+    as mixed at the first step; each trains as one process does with the same optimizer."""
+    compare_cases(2, [Case(f"tp2 {kind}", {"tp": 2}, gpt, gpt_batches(STEPS, 8), plan="gpt", optimizer=kind)
+                      for kind in ("sgd foreach", "adamw fused")])
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
