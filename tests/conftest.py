@@ -32,3 +32,14 @@ def pytest_unconfigure(config):
     """Hand the frozen objects back before the interpreter's shutdown, which then frees them as
     it would have (extension modules check at exit that their objects were)."""
     gc.unfreeze()
+
+
+def pytest_runtest_logreport(report):
+    """A test rerun after a rank died in native code (pyproject's `--only-rerun`): print what the
+    dead rank left on stderr (faulthandler's stacks, glibc's message) and the failure, so the crash
+    stays in the log even when the rerun passes."""
+    if report.outcome != "rerun":
+        return
+    lines = [f"\n=== RERUN of {report.nodeid} after a rank died in native code; the first attempt's output ==="]
+    lines += [report.capstderr[-6000:], report.longreprtext[-3000:], "=== end of the first attempt ==="]
+    print("\n".join(lines), flush=True)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import gc
 import multiprocessing.util
 import os
+import re
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +112,63 @@ def test_hanging_workers_are_killed_after_timeout():
 def test_worker_that_crashes_after_returning_fails_the_run():
     with pytest.raises(sw.RankFailedError, match="rank 1 with exit code 7 of 2 crashed or hung on exit"):
         sw.testing.run_on_ranks(_crash_on_exit_on_rank_one, 2, timeout=60)
+
+
+_CRASHING_TESTS = '''
+import os
+import torch.distributed as dist
+from shardwise.testing import run_on_ranks
+
+
+def _rank_one(action, marker):
+    if dist.get_rank() == 1:
+        if action == "abort once" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.abort()
+        if action == "abort":
+            os.abort()
+        if action == "exit":
+            os._exit(3)
+        if action == "raise":
+            raise ValueError("a bug in the worker")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_abort_once():  # the marker outlives the first attempt (a rerun gets a new tmp_path)
+    assert run_on_ranks(_rank_one, 2, "abort once", os.path.abspath("aborted"), timeout=60) == [0, 1]
+
+
+def test_abort_always():
+    run_on_ranks(_rank_one, 2, "abort", "", timeout=60)
+
+
+def test_exit():
+    run_on_ranks(_rank_one, 2, "exit", "", timeout=60)
+
+
+def test_raise():
+    run_on_ranks(_rank_one, 2, "raise", "", timeout=60)
+'''
+
+
+def _rerun_options() -> list[str]:
+    """pyproject's --reruns and --only-rerun, as the suite itself runs with them."""
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    addopts = shlex.split(re.search(r'^addopts = "(.*)"$', text, re.M).group(1).replace("\\\\", "\\"))
+    keep = [i for i, opt in enumerate(addopts) if opt in ("--reruns", "--only-rerun")]
+    return [part for i in keep for part in addopts[i:i + 2]]
+
+
+def test_only_a_rank_dying_in_native_code_reruns_and_only_once(tmp_path):
+    """The suite's rerun policy (pyproject.toml): a test whose rank died by SIGABRT runs once more
+    (passing if the rerun does); dying again fails it; a rank's exception or plain exit is never rerun."""
+    (tmp_path / "test_crashes.py").write_text(_CRASHING_TESTS)
+    options = _rerun_options()
+    assert options[:2] == ["--reruns", "1"] and len(options) == 4, options
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-raR", *options,
+                          "test_crashes.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "1 passed" in summary and "3 failed" in summary and "2 rerun" in summary, run.stdout[-3000:]
+    reruns = sorted(line.split("::")[1] for line in run.stdout.splitlines() if line.startswith("RERUN "))
+    assert reruns == ["test_abort_always", "test_abort_once"], run.stdout[-3000:]
