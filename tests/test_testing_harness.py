@@ -122,6 +122,10 @@ from shardwise.testing import run_on_ranks
 
 
 def _rank_one(action, marker):
+    if action == "both abort once" and not os.path.exists(f"{marker}.{dist.get_rank()}"):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        open(f"{marker}.{dist.get_rank()}", "w").close()
+        os.abort()
     if dist.get_rank() == 1:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # CI keeps cores: none from these aborts
         if action == "abort once" and not os.path.exists(marker):
@@ -139,6 +143,10 @@ def _rank_one(action, marker):
 
 def test_abort_once():  # the marker outlives the first attempt (a rerun gets a new tmp_path)
     assert run_on_ranks(_rank_one, 2, "abort once", os.path.abspath("aborted"), timeout=60) == [0, 1]
+
+
+def test_both_abort_once():  # no rank reports: the other message run_on_ranks raises
+    assert run_on_ranks(_rank_one, 2, "both abort once", os.path.abspath("both"), timeout=60) == [0, 1]
 
 
 def test_abort_always():
@@ -164,13 +172,14 @@ def _rerun_options() -> list[str]:
 
 def test_only_a_rank_dying_in_native_code_reruns_and_only_once(tmp_path):
     """The suite's rerun policy (pyproject.toml): a test whose rank died by SIGABRT runs once more
-    (passing if the rerun does); dying again fails it; a rank's exception or plain exit is never rerun."""
+    (passing if the rerun does), whichever of run_on_ranks' messages names the death; dying again
+    fails it; a rank's exception or plain exit is never rerun."""
     (tmp_path / "test_crashes.py").write_text(_CRASHING_TESTS)
     options = _rerun_options()
     assert options[:2] == ["--reruns", "1"] and len(options) == 4, options
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-raR", *options,
                           "test_crashes.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     summary = run.stdout.strip().splitlines()[-1]
-    assert "1 passed" in summary and "3 failed" in summary and "2 rerun" in summary, run.stdout[-3000:]
+    assert "2 passed" in summary and "3 failed" in summary and "3 rerun" in summary, run.stdout[-3000:]
     reruns = sorted(line.split("::")[1] for line in run.stdout.splitlines() if line.startswith("RERUN "))
-    assert reruns == ["test_abort_always", "test_abort_once"], run.stdout[-3000:]
+    assert reruns == ["test_abort_always", "test_abort_once", "test_both_abort_once"], run.stdout[-3000:]
