@@ -42,8 +42,9 @@ from .topology import Topology
 
 _NOT_COPIED = ("a ParallelModule cannot be copied or pickled: it holds this run's process groups, its hooks into "
                "autograd and (under ZeRO) shards of the parameters. Copy its values instead, e.g. for an EMA: "
-               "ema = copy.deepcopy(your_module); ema.load_state_dict(pmodel.full_state_dict()) (whole tensors, on "
-               "every rank); save with torch.save(pmodel.state_dict()) or sw.save_checkpoint")
+               "ema = copy.deepcopy(your_module) made before sw.parallelize (after it the module holds DTensors under "
+               "tp and released buffers under ZeRO-3), then blend in or load pmodel.full_state_dict() (whole tensors, "
+               "on every rank); save with torch.save(pmodel.state_dict()) or sw.save_checkpoint")
 
 
 class ParallelModule(nn.Module):
