@@ -121,16 +121,19 @@ import torch.distributed as dist
 from shardwise.testing import run_on_ranks
 
 
-def _rank_one(action, marker):
-    if action == "both abort once" and not os.path.exists(f"{marker}.{dist.get_rank()}"):
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        open(f"{marker}.{dist.get_rank()}", "w").close()
+def _abort_unless_done(marker):
+    if not os.path.exists(marker):
+        open(marker, "w").close()
         os.abort()
+
+
+def _rank_one(action, marker):
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # CI keeps cores: none from these aborts
+    if action == "both abort once":
+        _abort_unless_done(f"{marker}.{dist.get_rank()}")
     if dist.get_rank() == 1:
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # CI keeps cores: none from these aborts
-        if action == "abort once" and not os.path.exists(marker):
-            open(marker, "w").close()
-            os.abort()
+        if action == "abort once":
+            _abort_unless_done(marker)
         if action == "abort":
             os.abort()
         if action == "exit":
