@@ -129,7 +129,7 @@ def load_full_state_dict(pmodel: "ParallelModule", state_dict: dict[str, torch.T
                          problem: CheckpointError | None = None) -> None:
     """Each rank copies its shards of `state_dict` (whole tensors, or DTensors placed as the
     model's); `problem` is a refusal the caller found already."""
-    own = pmodel.module.state_dict()
+    own = pmodel.module.state_dict(keep_vars=True)  # read inside whole_parameters() below
     whole, shards = ["(a state dict this rank refused)"], []
     try:
         if problem is None:
@@ -169,7 +169,7 @@ def check_state_dict(pmodel: "ParallelModule", state_dict: Any, strict: bool) ->
             f"state dict does not match {type(pmodel.module).__name__}: missing keys {missing[:8]}, "
             f"unexpected keys {unexpected[:8]}; pass a state dict of the same model or strict=False"
         )
-    own = pmodel.module.state_dict()
+    own = pmodel.module.state_dict(keep_vars=True)
     for key in expected.keys() & state_dict.keys():
         value = state_dict[key]
         if isinstance(value, DTensor) and key in own:

@@ -16,6 +16,8 @@ Under mixed precision the kept shard is the float32 master itself (zero.py): eac
 sends a copy cast to the parameters' dtype, as FSDP2's all-gather copy-in does, so no
 low-precision shard is kept beside it (16 bytes of state an element with float32 gradients and
 Adam, not 18).
+While a bucket is released its parameters refuse to be read (released.py): a ModelError, not
+the crash torch's unchecked read of a storage-less tensor is.
 The units around the main layer list share one gather when they are small (build.py's
 `zero3_units`): on a GPT that is 11 parameter all-gathers a step instead of 17, and on an
 oversubscribed CPU each costs milliseconds of scheduling latency whatever its size.
@@ -45,6 +47,7 @@ from ...tensors import tensor_leaves
 from .buckets import Bucket
 from .float8_gather import Float8Gather, use_gathered_weight
 from .gradients import GradientBuckets
+from .released import ReleasedParameters
 
 
 BEFORE_BACKWARD = "_shardwise_before_backward"  # the hook a unit's output carries: (handle, unit)
@@ -57,6 +60,7 @@ class ParameterShards:
                  float8: dict[int, nn.Module] | None = None):
         self.gradients = gradients
         self.stats = gradients.stats
+        self.released = ReleasedParameters(module)
         self._works: dict[int, Any] = {}
         self._sources: dict[int, torch.Tensor] = {}  # what each all-gather under way sends
         self._gathered: set[int] = set()
@@ -124,6 +128,7 @@ class ParameterShards:
                  self.gradients.coordinator)
             del self._sources[id(bucket)]
             self._gathered.add(id(bucket))
+            self.released.allow(bucket.params)
 
     def _gather_float8(self, bucket: Bucket, wait_now: bool) -> None:
         key = id(bucket)
@@ -141,14 +146,18 @@ class ParameterShards:
                  self.gradients.coordinator)
             self._gathered8.add(key)
             self._float8[key].lend()
+            self.released.allow(bucket.params)  # passed to the float8 matmul unread (as its gradient's target)
 
     def _release(self, bucket: Bucket) -> None:
         if bucket in self._kept or self._held_whole:
             return
         if id(bucket) in self._works or id(bucket) in self._works8:  # an unused prefetch: finish it first
             self._gather(bucket, wait_now=True, whole=id(bucket) in self._works)
-        self.whole_bytes -= bucket.param_buffer.untyped_storage().nbytes()
+        whole = bucket.param_buffer.untyped_storage().nbytes()
+        self.whole_bytes -= whole
         bucket.param_buffer.untyped_storage().resize_(0)
+        if whole or id(bucket) in self._float8:  # not refusing already (a float8 unit's lent its own)
+            self.released.refuse(bucket.params)
         self._gathered.discard(id(bucket))
         if id(bucket) in self._float8:
             self._float8[id(bucket)].release()
