@@ -25,6 +25,7 @@ from .groups import running
 from .parallel.data.buffers import BufferBroadcast
 from .parallel.context.sequence import ContextParallel
 from .parallel.data.gradients import GradientBuckets
+from .parallel.data.held_apart import GradientHeldApart
 from .parallel.data.step_gradients import HeldGradients
 from .parallel.expert import ExpertParallel, RouterLogitsOverReplicas
 from .parallel.pipeline.stages import Pipeline
@@ -352,7 +353,8 @@ class ParallelModule(nn.Module):
         (local gradients, bucket buffers and shards); None where a bucket has none."""
         buckets = self.gradients.buckets
         params = [local(p) for p in self.module.parameters()] + [b.param_shard for b in buckets]
-        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.module.parameters()
+                 if p.grad is not None and not isinstance(p.grad, GradientHeldApart)]
         return params, grads + [b.buffer for b in buckets] + [b.shard for b in buckets]
 
     def memory(self) -> dict[str, int]:

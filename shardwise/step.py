@@ -29,6 +29,7 @@ from .compat import functional_all_gather
 from .coordination import Fingerprint, _agreed, fingerprint_of
 from .errors import BatchError, ModelError, PlanError, ShardwiseError
 from .step_output import detached, tokens_of
+from .parallel.data.held_apart import GradientHeldApart
 from .tensors import is_sharded, local, tensor_leaves
 
 if TYPE_CHECKING:
@@ -312,7 +313,8 @@ class MicrobatchLosses:
             return
         self.replicated_grads_checked = True
         named = [(n, p) for n, p in self.pmodel.module.named_parameters()
-                 if p.grad is not None and not is_sharded(p) and id(p) not in tp.partial_grad_params]
+                 if p.grad is not None and not isinstance(p.grad, GradientHeldApart) and not is_sharded(p)
+                 and id(p) not in tp.partial_grad_params]
         if not named:
             return
         mine = torch.stack([local(p.grad).detach().float().abs().sum() for _, p in named])

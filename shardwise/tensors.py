@@ -24,6 +24,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+PARAMETER_NAME = "_shardwise_name"  # the attribute naming a parameter in errors about it
+
+
+def name_parameters(module: torch.nn.Module) -> None:
+    """Mark each parameter with its name in `module` (a tied one with its first), for errors
+    raised from code that holds only the tensor."""
+    for name, param in reversed(list(module.named_parameters(remove_duplicate=False))):
+        setattr(param, PARAMETER_NAME, name)
+
+
 def shard_for_compute(param: torch.Tensor | None) -> torch.Tensor | None:
     """A parameter's local shard to compute with; gradients flow back to the DTensor parameter."""
     return param.to_local() if isinstance(param, DTensor) else param

@@ -141,8 +141,9 @@ class Bucket:
         """Free the gradient buffer (ZeRO-2+, after the reduce-scatter), and the parameters'
         `.grad` views of it, which would keep it alive (the gradients live in the shard)."""
         self.buffer, self.views, self.summary = None, [], torch.empty(0)
-        for param in self.params:
-            param.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # ZeRO-3's released parameters: straight to torch
+            for param in self.params:
+                param.grad = None
 
     def drop_grads(self) -> None:
         """zero_grad(set_to_none=True): forget this step's gradients and, where the shard is separate

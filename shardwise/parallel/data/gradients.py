@@ -49,6 +49,7 @@ from ...compat import all_gather_single, reduce_scatter_single
 from ...errors import ShardwiseError
 from ...tensors import local
 from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
+from .held_apart import GradientHeldApart
 from .step_gradients import HeldGradients, StepGradients
 
 MiB = 1 << 20
@@ -75,6 +76,7 @@ class GradientBuckets:
         self.post_hooks: list = []  # called on the reduced gradients (buffer, or shard under ZeRO) after it
         self.coordinator = None  # names stalled or failed peers when a wait cannot finish
         self.unused: set[int] = set()  # ids of parameters no replica produced a gradient for last sync
+        self._stand_ins: dict[int, GradientHeldApart] = {}  # `.grad` of parameters whose gradient lives apart
 
         def dtype(p: nn.Parameter) -> torch.dtype:
             return reduce_dtype or local(p).dtype
@@ -357,11 +359,25 @@ class GradientBuckets:
         if not self.zero.grad_buffer_kept:
             for bucket in self.buckets:
                 bucket.release()
+        self._stand_in_for_apart_grads()
         loss = self.summary.loss
         if loss is not None and reduced is not None:
             loss = self.summary.mean_loss(reduced)
         self._reset_window()
         return loss
+
+    def _stand_in_for_apart_grads(self) -> None:
+        """Each used parameter whose reduced gradient lives apart gets its stand-in `.grad`
+        (held_apart.py), which refuses use rather than read as no gradient at all. (Past the
+        `__torch_function__` of ZeRO-3's released parameters: it would let the store through, slowly.)"""
+        with torch._C.DisableTorchFunctionSubclass():
+            for param, (bucket, _) in self._slot.items():
+                if bucket.grads_apart and id(param) not in self.unused:
+                    stand_in = self._stand_ins.get(id(param))
+                    if stand_in is None:
+                        stand_in = self._stand_ins[id(param)] = GradientHeldApart(
+                            param, self.apart, self.refuse_accumulating_over_syncs)
+                    param.grad = stand_in
 
     def _weigh_lone(self) -> None:
         """Parameters reduced over one rank have no bucket whose launch weighs them: their
@@ -445,11 +461,12 @@ class GradientBuckets:
             self._reset_window()
             for bucket in self.buckets:
                 bucket.drop_grads()
-        for param in self.params:
-            if set_to_none:
-                param.grad = None
-            elif param not in self._slot and param.grad is not None:
-                param.grad.zero_()
+        with torch._C.DisableTorchFunctionSubclass():  # ZeRO-3's released parameters: straight to torch
+            for param in self.params:
+                if set_to_none:
+                    param.grad = None
+                elif param not in self._slot and param.grad is not None:
+                    param.grad.zero_()
         if not set_to_none:
             for bucket in self.buckets:
                 if bucket.buffer is not None:
@@ -458,8 +475,7 @@ class GradientBuckets:
                     bucket.shard.zero_()
                 bucket.holds_reduced = False
                 for param, view in zip(bucket.params, bucket.views):
-                    if not bucket.casts_grads and not bucket.sharded:
-                        param.grad = as_grad(param, view)
+                    param.grad = None if bucket.grads_apart else as_grad(param, view)
 
     def outside_grad(self) -> list[nn.Parameter]:
         """Parameters whose reduced gradient lives outside `.grad`: in ZeRO's shards, or in the

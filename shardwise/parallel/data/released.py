@@ -22,8 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ...errors import ModelError
-
-NAME = "_shardwise_name"  # the attribute naming a ZeRO-3 parameter in the errors
+from ...tensors import PARAMETER_NAME as NAME, name_parameters
 
 _READS_NOTHING_GET = ("shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn",
                       "_grad_fn", "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse",
@@ -108,8 +107,7 @@ class ReleasedParameters:
     def __init__(self, module: torch.nn.Module):
         self._classes: dict[type, type] = {}  # a parameter's class -> its refusing subclass
         self._originals: dict[type, type] = {}
-        for name, param in reversed(list(module.named_parameters(remove_duplicate=False))):
-            setattr(param, NAME, name)  # a tied parameter: its first name
+        name_parameters(module)
 
     def _refusing(self, cls: type) -> type:
         if cls not in self._classes:

@@ -16,7 +16,7 @@ from ...comm import broadcast_tensors
 from ...config import ParallelConfig
 from ...errors import ConfigError, ModelError
 from ...global_hooks import hooks_while_alive
-from ...tensors import local
+from ...tensors import local, name_parameters
 from ...topology import Topology
 from .buckets import ReduceGroup, ZeroStage
 from .gradients import GradientBuckets, MiB
@@ -50,6 +50,7 @@ def apply_data_parallel(module: nn.Module, topology: Topology, config: ParallelC
         The gradient executor, its buckets laid out and hooked to the parameters.
     """
     params = [p for p in module.parameters() if p.requires_grad]
+    name_parameters(module)  # for errors about a parameter (held_apart.py, released.py)
     experts = experts or set()
     dp, groups = _reduce_groups(module, topology, params, partial_over_tp or set(), tied or {}, experts)
     unit_of = _owner_labels(module, units or {})
