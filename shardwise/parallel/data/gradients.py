@@ -49,7 +49,7 @@ from ...compat import all_gather_single, reduce_scatter_single
 from ...errors import ShardwiseError
 from ...tensors import local
 from .buckets import Bucket, ReduceGroup, ReplicaSummary, ZeroStage, as_grad
-from .held_apart import GradientHeldApart
+from .held_apart import StandIns
 from .step_gradients import HeldGradients, StepGradients
 
 MiB = 1 << 20
@@ -76,7 +76,7 @@ class GradientBuckets:
         self.post_hooks: list = []  # called on the reduced gradients (buffer, or shard under ZeRO) after it
         self.coordinator = None  # names stalled or failed peers when a wait cannot finish
         self.unused: set[int] = set()  # ids of parameters no replica produced a gradient for last sync
-        self._stand_ins: dict[int, GradientHeldApart] = {}  # `.grad` of parameters whose gradient lives apart
+        self._stand_ins = StandIns(self.apart, self.refuse_accumulating_over_syncs)  # .grad where gradients live apart
 
         def dtype(p: nn.Parameter) -> torch.dtype:
             return reduce_dtype or local(p).dtype
@@ -359,25 +359,12 @@ class GradientBuckets:
         if not self.zero.grad_buffer_kept:
             for bucket in self.buckets:
                 bucket.release()
-        self._stand_in_for_apart_grads()
+        self._stand_ins.assign(p for p, (b, _) in self._slot.items() if b.grads_apart and id(p) not in self.unused)
         loss = self.summary.loss
         if loss is not None and reduced is not None:
             loss = self.summary.mean_loss(reduced)
         self._reset_window()
         return loss
-
-    def _stand_in_for_apart_grads(self) -> None:
-        """Each used parameter whose reduced gradient lives apart gets its stand-in `.grad`
-        (held_apart.py), which refuses use rather than read as no gradient at all. (Past the
-        `__torch_function__` of ZeRO-3's released parameters: it would let the store through, slowly.)"""
-        with torch._C.DisableTorchFunctionSubclass():
-            for param, (bucket, _) in self._slot.items():
-                if bucket.grads_apart and id(param) not in self.unused:
-                    stand_in = self._stand_ins.get(id(param))
-                    if stand_in is None:
-                        stand_in = self._stand_ins[id(param)] = GradientHeldApart(
-                            param, self.apart, self.refuse_accumulating_over_syncs)
-                    param.grad = stand_in
 
     def _weigh_lone(self) -> None:
         """Parameters reduced over one rank have no bucket whose launch weighs them: their

@@ -15,7 +15,7 @@ and kept: a step re-assigns it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -50,3 +50,20 @@ class GradientHeldApart(torch.Tensor):
 
     def __repr__(self) -> str:  # repr reaches no dispatch when it fails inside one
         return f"GradientHeldApart({self.param_name}, shape={tuple(self.shape)})"
+
+
+class StandIns:
+    """The stand-in `.grad` of each parameter, made once and assigned after each synchronization."""
+
+    def __init__(self, lives: Callable[[], str], accumulating: Callable[[], None]):
+        self._lives, self._accumulating = lives, accumulating
+        self._made: dict[int, GradientHeldApart] = {}
+
+    def assign(self, params: Iterable[torch.Tensor]) -> None:
+        # past the __torch_function__ of ZeRO-3's released parameters, which would let the store through slowly
+        with torch._C.DisableTorchFunctionSubclass():
+            for param in params:
+                stand_in = self._made.get(id(param))
+                if stand_in is None:
+                    stand_in = self._made[id(param)] = GradientHeldApart(param, self._lives, self._accumulating)
+                param.grad = stand_in
