@@ -16,6 +16,7 @@ import copy
 import functools
 import io
 
+import safetensors.torch
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -51,6 +52,9 @@ def _habits(model: torch.nn.Module, weight: torch.Tensor) -> dict[str, object]:
     }
     if isinstance(weight, DTensor):
         reads.update(full_tensor=weight.full_tensor, to_local=weight.to_local)
+    # safetensors reads through data_ptr(): a released view's points at nothing (or at address 0,
+    # which it writes as no bytes); transformers' save_pretrained has a refusal of its own
+    reads["model: safetensors.torch.save(model.state_dict())"] = lambda: safetensors.torch.save(model.state_dict())
     out: dict[str, object] = {}
     for habit, read in reads.items():
         try:

@@ -32,7 +32,7 @@ _READS_NOTHING_GET = ("shape", "dtype", "device", "requires_grad", "grad", "_gra
 _READS_NOTHING_SET = ("grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _READS_NOTHING_CALL = ("size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point",
                        "is_complex", "is_signed", "is_contiguous", "stride", "storage_offset", "get_device",
-                       "data_ptr", "untyped_storage", "requires_grad_", "register_hook",
+                       "untyped_storage", "requires_grad_", "register_hook",
                        "register_post_accumulate_grad_hook", "retain_grad", "is_shared", "is_pinned", "_is_view",
                        "is_inference", "is_conj", "is_neg", "__hash__", "__len__", "__dir__")
 _READS_NOTHING_TORCH = ("_has_compatible_shallow_copy_type", "numel", "is_floating_point", "is_complex", "is_conj",
