@@ -54,6 +54,9 @@ def _habits(pm, opt, model, weight, apart: bool) -> dict[str, object]:
     found = {
         "present": (grad is not None, tuple(grad.shape) == tuple(weight.shape), grad.dtype == weight.dtype),
         "torch clip": _attempt(lambda: float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))),
+        # foreach=True: torch's default on CUDA, one op over lists of gradients
+        "torch clip, foreach": _attempt(lambda: float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9,
+                                                                                      foreach=True))),
         "norm": _attempt(lambda: float(grad.norm())),
         "optimizer clip": float(opt.clip_grad_norm(1e9)),  # max_norm far above: measures, changes nothing
         "whole": set(pm.full_grad_dict()) >= {n for n, p in model.named_parameters() if p.grad is not None},
@@ -107,7 +110,7 @@ def test_gradients_kept_apart_refuse_torch_habits_and_the_optimizer_sees_them():
             assert found["optimizer clip"] > 0 and found["whole"] and found["cleared"], (where, found)
             assert found["unchanged"], f"{where}: the habits changed the training"
             if apart:
-                for habit in ("torch clip", "norm", "model.zero_grad(set_to_none=False)"):
+                for habit in ("torch clip", "torch clip, foreach", "norm", "model.zero_grad(set_to_none=False)"):
                     outcome, text = found[habit]
                     assert outcome == "refused", f"{where}: {habit} ran on a stand-in gradient: {text}"
                     # the parameter read, or (torch's clip, the module's zero_grad) the first one met

@@ -43,6 +43,7 @@ def _habits(model: torch.nn.Module, weight: torch.Tensor) -> dict[str, object]:
         "print": lambda: print(weight),
         "ema copy": lambda: ema.copy_(weight),
         "ema lerp": lambda: ema.lerp_(weight, 0.1),
+        "ema foreach lerp": lambda: torch._foreach_lerp_([ema], [weight], 0.1),  # lists of parameters
         "norm": lambda: float(weight.norm()),
         "detach, then read": lambda: weight.detach().sum(),
         ".data, then read": lambda: weight.data.clone(),

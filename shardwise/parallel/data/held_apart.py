@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ...errors import ModelError
 from ...tensors import PARAMETER_NAME
@@ -39,7 +40,8 @@ class GradientHeldApart(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        held = next(a for a in args if isinstance(a, GradientHeldApart))
+        # the first stand-in among the arguments (a foreach op's are in lists: clip's default on CUDA)
+        held = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GradientHeldApart))
         if func in _ACCUMULATING:  # autograd adding a backward's gradient to it
             held.accumulating()
         raise ModelError(

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from ...errors import ModelError
 from ...tensors import PARAMETER_NAME as NAME, name_parameters
@@ -59,7 +60,7 @@ _SET_DATA = torch.Tensor.data.__set__
 
 
 def _refusal(what: str, args: Any) -> ModelError:
-    names = [getattr(a, NAME, "?") for a in args if isinstance(a, torch.Tensor) and hasattr(a, NAME)]
+    names = [getattr(a, NAME) for a in tree_leaves(args) if isinstance(a, torch.Tensor) and hasattr(a, NAME)]
     name = names[0] if names else "a parameter"
     return ModelError(
         f"{what} read {name} between ZeRO-3's uses of it: each rank holds only its shard then (the whole buffer is "
