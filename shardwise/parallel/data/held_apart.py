@@ -1,6 +1,6 @@
 """What `.grad` holds for a parameter whose reduced gradient lives apart from it.
 
-Under ZeRO-2/3 a synchronized gradient lives in this rank's shard, and a lower-precision
+Under ZeRO (1-3) a synchronized gradient lives in this rank's shard, and a lower-precision
 parameter's in a float32 bucket; `.grad` was None there, so torch's own
 `clip_grad_norm_(model.parameters(), ...)` (HF Trainer's, every hand-written loop's) found no
 gradients and clipped nothing, a norm of 0 and no word, and a loop logging `p.grad.norm()`
