@@ -66,7 +66,7 @@ def _habits(pm, opt, model, weight, apart: bool) -> dict[str, object]:
     return found
 
 
-def _train(pm, opt, batch) -> None:
+def _train(pm, batch) -> None:
     index, count = sw.data_parallel_info(pm)
     pm.train_step(replica_slice(batch, index, count))
 
@@ -78,7 +78,7 @@ def _layout(factory, batches, config, plan, name, apart):
         pm = sw.parallelize(model, sw.ParallelConfig(**config), plan=plan)
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
         for step, batch in enumerate(batches):
-            _train(pm, opt, batch)
+            _train(pm, batch)
             if probed and step == 0:
                 found = _habits(pm, opt, model, dict(model.named_parameters())[name], apart)
             opt.step()
@@ -88,9 +88,9 @@ def _layout(factory, batches, config, plan, name, apart):
         runs.append(pm.full_state_dict())
     found["unchanged"] = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[1])
     # a backward over a synchronized one without zero_grad: the refusal for that, not the stand-in's
-    _train(pm, opt, batches[0])
+    _train(pm, batches[0])
     try:
-        _train(pm, opt, batches[1])
+        _train(pm, batches[1])
         found["accumulated"] = "ran"
     except sw.ShardwiseError as error:
         found["accumulated"] = str(error)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from ...errors import ModelError
-from ...tensors import PARAMETER_NAME as NAME, name_parameters
+from ...tensors import PARAMETER_NAME as NAME
 
 _READS_NOTHING_GET = ("shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn",
                       "_grad_fn", "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse",
@@ -105,10 +105,9 @@ def _refused_method(what: str) -> Callable:
 class ReleasedParameters:
     """Swaps parameters' classes to refuse reads while ZeRO-3 holds their shard only."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self):  # the parameters carry their names already (tensors.name_parameters, replicas.py)
         self._classes: dict[type, type] = {}  # a parameter's class -> its refusing subclass
         self._originals: dict[type, type] = {}
-        name_parameters(module)
 
     def _refusing(self, cls: type) -> type:
         if cls not in self._classes:

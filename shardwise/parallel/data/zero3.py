@@ -60,7 +60,7 @@ class ParameterShards:
                  float8: dict[int, nn.Module] | None = None):
         self.gradients = gradients
         self.stats = gradients.stats
-        self.released = ReleasedParameters(module)
+        self.released = ReleasedParameters()
         self._works: dict[int, Any] = {}
         self._sources: dict[int, torch.Tensor] = {}  # what each all-gather under way sends
         self._gathered: set[int] = set()
