@@ -1,20 +1,32 @@
-"""What an eager block's elementwise ops move, counted op by op, against what the planner charges.
+"""What a block's elementwise ops move, counted, against what the planner charges.
 
 The planner charges a block's memory-bound work as the device table's `elementwise` values per
 token and hidden unit, and MLP_ELEMENTWISE of that per MLP unit (planner/timing.py); eager
 PyTorch's 48 is fitted on published runs (bench/planner_published.py). This counts the same
-traffic directly, on one Hugging Face block's forward in bfloat16: the bytes every aten op reads
-and writes, except the matmuls and attention (charged apart) and views (which move nothing),
-per token and hidden unit, in bf16 values. A fitted number that strayed from what the kernels
-move would show here.
+traffic directly, on one Hugging Face block in bfloat16: the bytes every aten op reads and
+writes, except the matmuls and attention (charged apart) and views (which move nothing), per
+token and hidden unit, in bf16 values. A fitted number that strayed from what the kernels move
+would show here.
+
+Compiled blocks (torch.compile: torchtitan's compiled rows, shardwise's `pmodel.compile()`)
+run the same work in inductor's fused kernels. Their traffic is counted over a forward and
+backward, each kernel's reads and writes as inductor's scheduler counts them (each buffer once:
+what the kernel must move), matmuls and attention apart, and set against eager's count over the
+same forward and backward: the share of eager's traffic a compiled block moves. The corpus
+charges compiled rows eager's fitted figure times that share (published_runs.COMPILED_ELEMENTWISE).
 
 Run: python bench/elementwise_count.py (bench/planner_published.py prints it too)
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 import transformers
+from torch._inductor import compile_fx, metrics
+from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -26,6 +38,7 @@ from shardwise.planner.timing import MLP_ELEMENTWISE
 CHARGED_APART = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"}
+CHARGED_APART |= {f"{name}_backward" for name in CHARGED_APART}
 # aliases of their input: no bytes move
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
          "select", "split", "split_with_sizes", "unbind", "alias", "detach", "as_strided", "_reshape_alias",
@@ -58,40 +71,94 @@ def counted_values(block: torch.nn.Module, hidden: int, tokens: int, **kwargs) -
     return sum(counter.by_op.values()) / (tokens * hidden * 2)
 
 
+def _forward_backward(block, hidden: int, tokens: int, counted, **kwargs) -> None:
+    """`block`'s forward and backward on random bf16 activations; only what runs inside the
+    `counted` context is counted (not making the input and its gradient)."""
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    with counted:
+        out = block(x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+
+def eager_training_values(block: torch.nn.Module, hidden: int, tokens: int, **kwargs) -> float:
+    """bf16 values per token and hidden unit that `block`'s eager forward and backward move
+    outside the matmuls and attention."""
+    counter = ElementwiseBytes()
+    _forward_backward(block, hidden, tokens, counter, **kwargs)
+    return sum(counter.by_op.values()) / (tokens * hidden * 2)
+
+
+def compiled_training_values(block: torch.nn.Module, hidden: int, tokens: int, **kwargs) -> float:
+    """The same for `torch.compile(block)`: the bytes inductor's kernels read and write, forward
+    and backward graphs, as its scheduler counts them (`metrics.nodes_num_elem`, filled when its
+    metrics log is on); extern kernels (matmuls, attention) apart. Compiled afresh: a cached
+    graph would count nothing."""
+    log = logging.getLogger(compile_fx.inductor_metrics_log.name)
+    level, propagate = log.level, log.propagate
+    log.setLevel(logging.INFO)
+    log.propagate = False  # on for the count, printed nowhere
+    torch._dynamo.reset()
+    metrics.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            _forward_backward(torch.compile(block), hidden, tokens, contextlib.nullcontext(), **kwargs)
+        moved = sum(4 * elements for node, elements in metrics.nodes_num_elem  # it keeps bytes // 4
+                    if not isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode)))
+    finally:
+        log.setLevel(level)
+        log.propagate = propagate
+        torch._dynamo.reset()
+    if moved == 0:
+        raise RuntimeError("inductor counted no kernels: its metrics were not collected")
+    return moved / (tokens * hidden * 2)
+
+
 def charged_values(config) -> float:
     """What the planner charges a block of `config` per token and hidden unit (eager PyTorch)."""
     spec = from_hf_config(config)
     return DEVICES["h100"].elementwise * (1 + MLP_ELEMENTWISE * spec.ffn / spec.hidden)
 
 
-def hugging_face_blocks() -> list[tuple[str, float, float]]:
-    """(model, counted, charged) for Llama's block (RMSNorm in float32, rotary, SwiGLU of 3.5h)
-    and GPT-2's (LayerNorm, tanh GELU of 4h), both with SDPA."""
+def hugging_face_blocks():
+    """(model, config, block, its keyword arguments) for Llama's block (RMSNorm in float32,
+    rotary, SwiGLU of 3.5h) and GPT-2's (LayerNorm, tanh GELU of 4h), both with SDPA, in
+    eval mode (GPT-2's dropout off, as training runs of this size have it)."""
     llama = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=HIDDEN * 7 // 2, num_attention_heads=8,
                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=1024)
     gpt2 = transformers.GPT2Config(n_embd=HIDDEN, n_head=8, n_layer=1, vocab_size=1024, n_positions=TOKENS,
                                    bos_token_id=0, eos_token_id=0)
-    rows = []
     for name, config in (("Llama", llama), ("GPT-2", gpt2)):
         config._attn_implementation = "sdpa"
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
         if name == "Llama":
             positions = torch.arange(TOKENS)[None]
             rotary = model.model.rotary_emb(torch.zeros(1, TOKENS, HIDDEN, dtype=torch.bfloat16), positions)
-            counted = counted_values(model.model.layers[0], HIDDEN, TOKENS, position_embeddings=rotary,
-                                     position_ids=positions)
+            yield name, config, model.model.layers[0], dict(position_embeddings=rotary, position_ids=positions)
         else:
-            counted = counted_values(model.transformer.h[0], HIDDEN, TOKENS)
-        rows.append((name, counted, charged_values(config)))
-    return rows
+            yield name, config, model.transformer.h[0], {}
 
 
-def print_counts() -> None:
-    print("an eager Hugging Face block's elementwise traffic (bf16 values per token and hidden unit, forward), "
-          "counted op by op against the planner's fitted charge:")
-    for name, counted, charged in hugging_face_blocks():
-        print(f"  {name:<6} counted {counted:5.1f}, charged {charged:5.1f} ({charged / counted - 1:+.1%})")
+def print_counts(compiled_charge: float | None = None) -> None:
+    """The eager counts against the fitted charge; with `compiled_charge` (the figure a compiled
+    block is charged), also the compiled blocks' share of eager's traffic and the charge it gives."""
+    print("Hugging Face blocks' elementwise traffic (bf16 values per token and hidden unit), counted: eager forward "
+          "op by op against the planner's fitted charge" + ("; eager and compiled forward + backward" if
+                                                             compiled_charge is not None else ""))
+    for name, config, block, kwargs in hugging_face_blocks():
+        counted, charged = counted_values(block, HIDDEN, TOKENS, **kwargs), charged_values(config)
+        line = f"  {name:<6} forward counted {counted:5.1f}, charged {charged:5.1f} ({charged / counted - 1:+.1%})"
+        if compiled_charge is not None:
+            eager = eager_training_values(block, HIDDEN, TOKENS, **kwargs)
+            compiled = compiled_training_values(block, HIDDEN, TOKENS, **kwargs)
+            share = compiled / eager
+            line += (f"; forward + backward eager {eager:5.1f}, compiled {compiled:5.1f}: {share:.3f} of eager, "
+                     f"{share * DEVICES['h100'].elementwise:.1f} of its {DEVICES['h100'].elementwise:.0f} "
+                     f"(compiled rows are charged {compiled_charge:.1f})")
+        print(line)
 
 
 if __name__ == "__main__":
-    print_counts()
+    from published_runs import COMPILED_ELEMENTWISE
+    print_counts(COMPILED_ELEMENTWISE)

@@ -24,7 +24,8 @@ runs; and Korthikanti's Table 4, five times of one 22B layer) fixes the planner'
 are held out and show how the model generalises to other sizes, layouts and executors. `--fit`
 prints the numbers that fit the calibration part best. The fitted eager figure is also set
 against what Hugging Face's eager Llama and GPT-2 blocks move, counted op by op
-(bench/elementwise_count.py). Megatron-LM's runs (2021-2022) wrote attention's scores to memory
+(bench/elementwise_count.py), which also counts what their compiled blocks move: the share of
+eager's traffic that torchtitan's compiled rows are charged (not fitted). Megatron-LM's runs (2021-2022) wrote attention's scores to memory
 (`ModelSpec(attention="megatron")`); the search's own picks run as shardwise does, with torch's
 SDPA.
 
@@ -50,7 +51,7 @@ from shardwise.planner.model import ModelSpec
 from shardwise.planner.search import Candidate, _factorizations, _inner_grid, recompute_codes, search
 
 from elementwise_count import print_counts
-from published_runs import GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
+from published_runs import COMPILED_ELEMENTWISE, GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
 
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 
@@ -92,12 +93,13 @@ def alternatives(runs: list[Run]) -> list[tuple[Run, Run]]:
     """Pairs of runs their authors published for the same work (model, GPUs, sequence length and
     batch) in different layouts or options: Korthikanti's full recompute against sequence
     parallelism with selective recompute, Megatron's ZeRO-3 against PTD-P, torchtitan's Llama 2
-    13B without recompute against its op-level selective checkpointing."""
+    13B without recompute against its op-level selective checkpointing, its Llama 3.1 8B eager
+    against compiled blocks (`Run.executor`'s elementwise traffic)."""
     pairs = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
             same_work = (a.spec.name, a.cluster, a.seq, a.global_batch) == (b.spec.name, b.cluster, b.seq, b.global_batch)
-            if same_work and a.config != b.config:
+            if same_work and (a.config != b.config or a.executor != b.executor):
                 pairs.append((a, b))
     return pairs
 
@@ -415,7 +417,7 @@ def main() -> None:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
     print_alternatives(runs, times)
     print_layer_times(runs)
-    print_counts()
+    print_counts(COMPILED_ELEMENTWISE)
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
     for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees",
                               "among its software's choices (its degrees, recompute, sp and ZeRO stage; microbatch "
