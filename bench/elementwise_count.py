@@ -12,8 +12,8 @@ Compiled blocks (torch.compile: torchtitan's compiled rows, shardwise's `pmodel.
 run the same work in inductor's fused kernels. Their traffic is counted over a forward and
 backward, each kernel's reads and writes as inductor's scheduler counts them (each buffer once:
 what the kernel must move), matmuls and attention apart, and set against eager's count over the
-same forward and backward: the share of eager's traffic a compiled block moves. The corpus
-charges compiled rows eager's fitted figure times that share (published_runs.COMPILED_ELEMENTWISE).
+same forward and backward: the share of eager's traffic a compiled block moves, which
+`Cluster(compiled=True)` charges (planner/cluster.py's COMPILED_ELEMENTWISE_SHARE).
 
 Run: python bench/elementwise_count.py (bench/planner_published.py prints it too)
 """
@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shardwise.planner import DEVICES
+from shardwise.planner.cluster import COMPILED_ELEMENTWISE_SHARE
 from shardwise.planner.model import from_hf_config
 from shardwise.planner.timing import MLP_ELEMENTWISE
 
@@ -140,25 +141,23 @@ def hugging_face_blocks():
             yield name, config, model.transformer.h[0], {}
 
 
-def print_counts(compiled_charge: float | None = None) -> None:
-    """The eager counts against the fitted charge; with `compiled_charge` (the figure a compiled
-    block is charged), also the compiled blocks' share of eager's traffic and the charge it gives."""
+def print_counts(compiled: bool = False) -> None:
+    """The eager counts against the fitted charge; with `compiled`, also the compiled blocks'
+    share of eager's traffic against the planner's COMPILED_ELEMENTWISE_SHARE."""
     print("Hugging Face blocks' elementwise traffic (bf16 values per token and hidden unit), counted: eager forward "
           "op by op against the planner's fitted charge" + ("; eager and compiled forward + backward" if
-                                                             compiled_charge is not None else ""))
+                                                             compiled else ""))
     for name, config, block, kwargs in hugging_face_blocks():
         counted, charged = counted_values(block, HIDDEN, TOKENS, **kwargs), charged_values(config)
         line = f"  {name:<6} forward counted {counted:5.1f}, charged {charged:5.1f} ({charged / counted - 1:+.1%})"
-        if compiled_charge is not None:
+        if compiled:
             eager = eager_training_values(block, HIDDEN, TOKENS, **kwargs)
-            compiled = compiled_training_values(block, HIDDEN, TOKENS, **kwargs)
-            share = compiled / eager
-            line += (f"; forward + backward eager {eager:5.1f}, compiled {compiled:5.1f}: {share:.3f} of eager, "
-                     f"{share * DEVICES['h100'].elementwise:.1f} of its {DEVICES['h100'].elementwise:.0f} "
-                     f"(compiled rows are charged {compiled_charge:.1f})")
+            fused = compiled_training_values(block, HIDDEN, TOKENS, **kwargs)
+            share = fused / eager
+            line += (f"; forward + backward eager {eager:5.1f}, compiled {fused:5.1f}: {share:.3f} of eager "
+                     f"(the planner charges {COMPILED_ELEMENTWISE_SHARE:.3f})")
         print(line)
 
 
 if __name__ == "__main__":
-    from published_runs import COMPILED_ELEMENTWISE
-    print_counts(COMPILED_ELEMENTWISE)
+    print_counts(compiled=True)

@@ -20,9 +20,9 @@ entry is rough and not calibrated).
    weights, torch's AdamW: foreach on a GPU), with and without full recomputation, median step
    time (and apart: forward and backward, the optimizer step) and the peak of allocated memory
    inside the step, against `sw.plan.evaluate` for the same layout; with `--compile`, the
-   decoder layers compiled too, against the planner with a compiled block's elementwise
-   traffic (published_runs.COMPILED_ELEMENTWISE, counted by bench/elementwise_count.py; the
-   H200 run in the README charged 24 and ran 10-12% over it); with `--fused`, torch's
+   decoder layers compiled too, against the planner's `Cluster(compiled=True)` (a compiled
+   block's elementwise traffic, counted by bench/elementwise_count.py; the H200 run in the
+   README charged 24 values and ran 10-12% over it); with `--fused`, torch's
    fused AdamW (`fused=True`) against the planner's fused optimizer. `--profile` adds the
    device's kernel time per step by kind (matmul, attention, optimizer, loss, other) and the
    longest kernels.
@@ -50,7 +50,6 @@ import transformers
 
 import shardwise as sw
 from llama import EndToEnd
-from published_runs import COMPILED_ELEMENTWISE
 from shardwise.planner.timing import ATTENTION, matmul_seconds
 
 # name: hidden, layers, heads, kv heads, ffn, vocab (Llama 3's shapes; "tiny" for a CPU)
@@ -190,7 +189,7 @@ def measure_step(entry: str, device: torch.device, name: str, seq: int, batch: i
     held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = _llama(name, seq, device)
     config = sw.ParallelConfig(param_dtype=torch.bfloat16, recompute=recompute)
-    cluster = cluster_for(entry, **({"elementwise": COMPILED_ELEMENTWISE} if compiled else {}))
+    cluster = cluster_for(entry, **({"compiled": True} if compiled else {}))
     predicted = sw.plan.evaluate(model, cluster, config, seq_len=seq, global_batch=batch,
                                  optimizer="fused" if fused else None)
     row = {"model": name, "seq": seq, "batch": batch, "recompute": recompute or "none", "compiled": compiled,

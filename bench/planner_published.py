@@ -25,7 +25,7 @@ are held out and show how the model generalises to other sizes, layouts and exec
 prints the numbers that fit the calibration part best. The fitted eager figure is also set
 against what Hugging Face's eager Llama and GPT-2 blocks move, counted op by op
 (bench/elementwise_count.py), which also counts what their compiled blocks move: the share of
-eager's traffic that torchtitan's compiled rows are charged (not fitted). Megatron-LM's runs (2021-2022) wrote attention's scores to memory
+eager's traffic that compiled blocks are charged (`Cluster(compiled=True)`; not fitted). Megatron-LM's runs (2021-2022) wrote attention's scores to memory
 (`ModelSpec(attention="megatron")`); the search's own picks run as shardwise does, with torch's
 SDPA.
 
@@ -51,7 +51,7 @@ from shardwise.planner.model import ModelSpec
 from shardwise.planner.search import Candidate, _factorizations, _inner_grid, recompute_codes, search
 
 from elementwise_count import print_counts
-from published_runs import COMPILED_ELEMENTWISE, GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
+from published_runs import GIB, KORTHIKANTI_LAYER_MS, MEGATRON_EXECUTOR, Run, corpus, predict
 
 SIZE_BAND = 2.5  # "a model of its size": parameters within this factor
 
@@ -261,7 +261,7 @@ def walk(run: Run, pick: Candidate) -> list[WalkStep]:
     steps = [WalkStep(None, "published layout", predict(run))]
     software = [("flash attention", run.spec.attention != pick.spec.attention),
                 ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
-                ("torch's kernels", "elementwise" in (run.executor or {})),
+                ("torch's kernels", bool({"elementwise", "compiled"} & {k for k, v in (run.executor or {}).items() if v})),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
                 (OWN_EXECUTION.get((run.executor or {}).get("executor")), "executor" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != run.optimizer)]
@@ -417,7 +417,7 @@ def main() -> None:
         print(f"memory where published: errors {', '.join(f'{e:+.1%}' for e in memory_errors)}")
     print_alternatives(runs, times)
     print_layer_times(runs)
-    print_counts(COMPILED_ELEMENTWISE)
+    print_counts(compiled=True)
     print("share of the fitting layouts predicted faster than a published layout that fits (0% = the fastest):")
     for scope, shares in zip(("at its degrees with its own recompute and sp", "at its degrees", "over all degrees",
                               "among its software's choices (its degrees, recompute, sp and ZeRO stage; microbatch "

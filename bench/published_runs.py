@@ -55,11 +55,6 @@ MEGATRON_EXECUTOR = dict(elementwise=32.0, executor="megatron")
 # Korthikanti et al. (2022) describe as their optimization: their tp collectives are all exposed (assumed: neither
 # paper dates it); their gradients are all-reduced after the backward (Megatron-LM's --overlap-grad-reduce came later)
 MEGATRON_2021_EXECUTOR = dict(MEGATRON_EXECUTOR, executor="megatron-2021")
-# torch.compile'd blocks (torchtitan's compiled rows) run a block's elementwise work in inductor's fused kernels.
-# Counted, not fitted (bench/elementwise_count.py, torch 2.13 on CPU): over a Hugging Face Llama block's forward and
-# backward, its kernels move 0.279 of what eager's ops move (65.9 against 235.6 values per token and hidden unit;
-# GPT-2's block 0.259): eager PyTorch's fitted 48 times that share.
-COMPILED_ELEMENTWISE = 13.4
 
 
 # Korthikanti et al. 2022, Table 4: one transformer layer of the 22B (its Table 3 layout: tp8, a microbatch of 4
@@ -203,7 +198,7 @@ def corpus() -> list[Run]:
     # SXM's 989 and the NVL's 835 TFLOP/s, by torchtitan's note, which does not know it exactly (912 is the midpoint).
     # At the benchmark's commit (9dec370, train_configs/llama3_8b.toml and train.py): selective AC with its "op"
     # policy, which keeps the matmuls' and attention's outputs but every second mm's (shardwise's
-    # selective-alternate); torch.compile compiles each TransformerBlock (charged COMPILED_ELEMENTWISE), not the loss
+    # selective-alternate); torch.compile compiles each TransformerBlock (`Cluster(compiled=True)`), not the loss
     # ("compiling loss function causes CUDA errors, turning off for now"): both rows run torch's eager cross-entropy on
     # float32 logits; AdamW is torch's foreach one (--optimizer.fused is off by default); zero_grad(set_to_none=True)
     # frees the gradients between steps (the "fsdp2" executor:
@@ -213,12 +208,11 @@ def corpus() -> list[Run]:
     titan = lambda gpus: Cluster(gpus, device="h100", memory_bytes=96 * GIB, hbm_bw=2.4e12, peak_flops=912e12)  # noqa: E731
     for gpus, label, tps, memory in ((8, "eager", 5762, 82.4), (8, "compiled", 6667, 77.0),
                                      (128, "eager", 5605, 67.0), (128, "compiled", 6514, 62.0)):
-        compiled = dict(elementwise=COMPILED_ELEMENTWISE) if label == "compiled" else {}
         runs.append(Run(f"torchtitan 8B fsdp{gpus} {label}", "torchtitan", f"Table {1 if gpus == 8 else 3} {label}",
                         MODELS["llama3-8b"], titan(gpus), 8192, 2 * gpus,
                         dict(dp=gpus, zero=3, recompute="selective-alternate", microbatches=1, reduce_dtype=FP32,
                              bucket_mb=FSDP_BUCKET_MB), 2,
-                        tokens_per_gpu=tps, executor=dict(executor="fsdp2", **compiled), optimizer="foreach",
+                        tokens_per_gpu=tps, executor=dict(executor="fsdp2", compiled=label == "compiled"), optimizer="foreach",
                         memory_gib=memory))
     # torchtitan's earlier A100 runs (SOURCES["torchtitan-2024"]; run at its April 2024 code, 1ea476e9f): FSDP2 over
     # all 64 GPUs (ZeRO-3, bf16 parameters, gradients reduced in float32), eager (its presets: compile = false), the
@@ -248,8 +242,7 @@ def corpus() -> list[Run]:
                     titan(128), 8192, 32,
                     dict(dp=16, tp=8, sequence_parallel=True, zero=3, recompute="full", microbatches=1,
                          reduce_dtype=FP32, bucket_mb=FSDP_BUCKET_MB), 2,
-                    tokens_per_gpu=109, executor=dict(executor="fsdp2", elementwise=COMPILED_ELEMENTWISE),
-                    optimizer="foreach",
+                    tokens_per_gpu=109, executor=dict(executor="fsdp2", compiled=True), optimizer="foreach",
                     notes="the preset's compile and norm (the table names neither)"))
     # llm-foundry's MPT: GPT-2's block with biases, learned positions, tied head, vocabulary 50368. FSDP
     # FULL_SHARD is ZeRO-3 over every GPU; "Activation Checkpointing True" is full recompute, by torch 1.13's

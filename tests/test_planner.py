@@ -475,6 +475,8 @@ def test_search_refuses_bad_requests():
         sw.plan.evaluate("gpt2", Cluster(8), sw.ParallelConfig(dp=8), seq_len=128, global_batch=8, optimizer="adam")
     with pytest.raises(ConfigError, match="executor='deepspeed'"):
         Cluster(8, executor="deepspeed")
+    with pytest.raises(ConfigError, match="compiled='yes' must be True"):
+        Cluster(8, compiled="yes")
     # Megatron-LM runs 11 of a block's elementwise values outside its tp regions: fewer in all cannot hold them
     with pytest.raises(ConfigError, match="elementwise=8.0 is below the 11 values.*executor='megatron'"):
         Cluster(8, device="a100", executor="megatron", elementwise=8)

@@ -10,7 +10,9 @@ on part of bench/planner_published.py's corpus of published runs (the rest shows
 generalise).
 Any of them can be overridden: `Cluster(gpus=64, device="h100", inter_node_bw=25e9)`, or the
 fitted ones to a machine's own runs. `nics_per_node` says how many NICs a node's cross-node
-traffic spreads over (DGX-style nodes: one per GPU, the default).
+traffic spreads over (DGX-style nodes: one per GPU, the default). `compiled=True` plans blocks
+compiled with torch.compile (`pmodel.compile()`), whose elementwise work moves a counted share
+of eager's traffic.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ DEVICES = {
     # this machine's CPU ranks (gloo over loopback): rough, for ranking local layouts only
     "local": Device("local", 0.0, 5e10, 2 * GB, 2 * GB, 5e10, 10 * GB, 1.0, 0.0, 48.0, 50e-6, 50e-6),
 }
+
+
+# The elementwise traffic of a block compiled with torch.compile, as a share of eager's: inductor fuses its
+# norms, residual adds, rotary and activation, forward and backward, into a few kernels. Counted, not fitted
+# (bench/elementwise_count.py, torch 2.13): Hugging Face Llama's block moves 65.9 bf16 values per token and hidden
+# unit through inductor's kernels against 235.6 through eager's ops (GPT-2's block: 0.259 of eager's).
+COMPILED_ELEMENTWISE_SHARE = 0.279
 
 
 class Executor(NamedTuple):
@@ -154,7 +163,9 @@ class Cluster:
     the NICs of `inter_node_bw` each that one collective's cross-node rings can use at once
     (None: one per GPU; fewer where nodes have fewer NICs, or where an executor's collectives
     cross on fewer, as DeepSpeed's ZeRO-3 did in bench/planner_published.py). `executor`: whose
-    recompute and collectives the step runs (`EXECUTORS`)."""
+    recompute and collectives the step runs (`EXECUTORS`). `compiled`: the blocks run compiled
+    (`pmodel.compile()`, torchtitan's `compile`), their elementwise traffic
+    COMPILED_ELEMENTWISE_SHARE of eager's (time only: their saved tensors are charged as eager's)."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -170,6 +181,7 @@ class Cluster:
     memory_fraction: float = 0.9
     nics_per_node: int | None = None  # NICs a collective's cross-node bytes spread over; None: one per GPU
     executor: str = "shardwise"  # whose execution the time model charges: a key of EXECUTORS
+    compiled: bool = False  # blocks compiled with torch.compile: fused elementwise kernels
     spec: Device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +203,9 @@ class Cluster:
         if self.nics_per_node is not None and (not isinstance(self.nics_per_node, int)
                                                or isinstance(self.nics_per_node, bool) or self.nics_per_node < 1):
             raise ConfigError(f"nics_per_node={self.nics_per_node!r} must be a positive integer (or None: one per GPU)")
+        if not isinstance(self.compiled, bool):
+            raise ConfigError(f"compiled={self.compiled!r} must be True (blocks compiled with torch.compile, "
+                              "pmodel.compile()) or False (eager)")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"executor={self.executor!r} is one of {', '.join(map(repr, EXECUTORS))}")
         if not _positive(self.memory_fraction) or self.memory_fraction > 1:
@@ -198,6 +213,8 @@ class Cluster:
                               "device's memory a run may use (0.9 leaves 10% to the runtime)")
         base = DEVICES[self.device]
         spec = replace(base, **{k: float(v) for k, v in overrides.items() if v is not None})
+        if self.compiled:
+            spec = replace(spec, elementwise=spec.elementwise * COMPILED_ELEMENTWISE_SHARE)
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         replicated = EXECUTORS[self.executor].tp_replicated_elementwise
