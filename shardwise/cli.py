@@ -292,15 +292,17 @@ def _plan_model(name: str):
 @click.option("--seq", "seq_len", required=True, type=POSITIVE, help="Tokens per sequence.")
 @click.option("--optimizer", default=None, type=click.Choice(["fused", "foreach", "for-loop"]),
               help="How the optimizer runs (fused: torch's fused=True). [default: torch's for the device]")
+@click.option("--compiled", is_flag=True, help="The blocks will run under pmodel.compile() (fused elementwise kernels).")
 @click.option("--global-tokens", default=None, help="Tokens per optimizer step, e.g. 16M.")
 @click.option("--global-batch", default=None, type=POSITIVE, help="Sequences per optimizer step.")
 @click.option("--top", default=10, show_default=True, type=POSITIVE)
 @click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON.")
 @click.option("--explain", "explain_first", is_flag=True, help="Also print the best candidate's breakdown.")
 def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, nics_per_node: int | None, seq_len: int,
-         optimizer: str | None, global_tokens: str | None, global_batch: int | None, top: int, as_json: bool,
-         explain_first: bool) -> None:
+         optimizer: str | None, compiled: bool, global_tokens: str | None, global_batch: int | None, top: int,
+         as_json: bool, explain_first: bool) -> None:
     """Rank the layouts of a model on a cluster by predicted step time, among those predicted to fit."""
+    import dataclasses
     import json
 
     from .planner import Cluster, search
@@ -311,6 +313,7 @@ def plan(model_name: str, gpus: int, device: str, gpus_per_node: int, nics_per_n
         raise click.UsageError("give one of --global-tokens and --global-batch")
     cluster = Cluster.local(gpus) if device == "local" else Cluster(gpus, gpus_per_node=gpus_per_node, device=device,
                                                                     nics_per_node=nics_per_node)
+    cluster = dataclasses.replace(cluster, compiled=compiled)
     result = search(_plan_model(model_name), cluster, global_batch=global_batch, seq_len=seq_len,
                     global_tokens=_count(global_tokens) if global_tokens else None, top=top, progress=not as_json,
                     optimizer=optimizer)

@@ -340,7 +340,10 @@ def test_evaluate_predicts_a_given_layout_as_the_search_does():
         assert got.memory_terms == pytest.approx(picked.memory_terms, rel=1e-12)
         assert got.time_terms == pytest.approx(picked.time_terms, rel=1e-12)
         assert got.layout() == picked.layout() and got.fits
-        assert "compute" in got.explain()
+        assert "compute" in got.explain() and "compiled blocks" not in got.explain()
+    compiled = sw.plan.evaluate(spec, dataclasses.replace(cluster, compiled=True), result[0].config, seq_len=4096,
+                                global_batch=32, virtual=result[0].virtual)
+    assert "compiled blocks" in compiled.explain() and compiled.step_seconds < result[0].step_seconds
     plain = sw.plan.evaluate(spec, cluster, sw.ParallelConfig(zero=3, param_dtype=torch.bfloat16), seq_len=4096,
                              global_batch=32)
     assert plain.config.dp == 16 and plain.fits and plain.layout() == result[0].layout()
@@ -448,6 +451,12 @@ def test_plan_command():
     assert fused.exit_code == 0, fused.output  # one pass over the moments, no foreach temporaries: faster
     assert rows[0]["optimizer"] == "foreach" and json.loads(fused.output)[0]["optimizer"] == "fused"
     assert json.loads(fused.output)[0]["step_seconds"] < rows[0]["step_seconds"]
+    compiled = runner.invoke(main, ["plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-tokens",
+                                    "4M", "--top", "40", "--json", "--compiled"])
+    assert compiled.exit_code == 0, compiled.output  # fused elementwise kernels: every layout faster
+    fast = {r["layout"]: r["step_seconds"] for r in json.loads(compiled.output) if r["layout"] in eight}
+    assert fast and all(fast[k] < eight[k] for k in fast) and {r["compiled"] for r in json.loads(compiled.output)} == {True}
+    assert not rows[0]["compiled"]
     out = runner.invoke(main, ["plan", "--model", "parity:make_gpt", "--gpus", "4", "--device", "local", "--seq", "32",
                                "--global-batch", "8", "--top", "1", "--json"])  # a factory, built on the meta device
     assert out.exit_code == 0, out.output

@@ -35,7 +35,8 @@ def explain(c: "Candidate") -> str:
     """The breakdown of one prediction, and each term against the runner-up's."""
     other = c.runner_up
     lines = [f"{c.layout()}  ({c.spec.name} on {c.cluster.gpus} x {c.cluster.device}, seq {c.seq_len}, "
-             f"{c.tokens_per_step} tokens per step, {c.optimizer} optimizer)",
+             f"{c.tokens_per_step} tokens per step, {c.optimizer} optimizer"
+             + (", compiled blocks)" if c.cluster.compiled else ")"),
              f"memory on the busiest rank: {c.memory / GIB:.2f} GiB of {c.cluster.usable_bytes / GIB:.1f} usable"]
     for key, label in MEMORY_LABELS.items():
         diff = f"   runner-up {other.memory_terms[key] / GIB:8.2f}" if other else ""
@@ -59,6 +60,6 @@ def as_json(result: "SearchResult") -> list[dict]:
              "zero": c.config.zero, "sequence_parallel": c.config.sequence_parallel, "micro_batch": c.micro_batch,
              "microbatches": c.config.microbatches, "schedule": c.config.schedule, "virtual_stages": c.virtual,
              "recompute": c.config.recompute, "dtype": "bf16" if c.config.param_dtype is not None else "fp32",
-             "optimizer": c.optimizer,
+             "optimizer": c.optimizer, "compiled": c.cluster.compiled,
              "memory_bytes": c.memory_terms, "step_seconds": c.step_seconds, "time_seconds": c.time_terms,
              "mfu": c.mfu, "tokens_per_second_per_gpu": c.tokens_per_second_per_gpu} for c in result]
