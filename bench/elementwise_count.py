@@ -116,6 +116,24 @@ def compiled_training_values(block: torch.nn.Module, hidden: int, tokens: int, *
     return moved / (tokens * hidden * 2)
 
 
+def kept_for_backward(block: torch.nn.Module, hidden: int, tokens: int, **kwargs) -> float:
+    """Bytes per token and hidden unit that `block`'s forward keeps for its backward (autograd's
+    saved tensors, each storage once; its input and parameters apart): a compiled block keeps
+    what inductor's partitioner saves, recomputing cheap elementwise results instead."""
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, **kwargs)
+    for t in (x, *block.parameters()):
+        kept.pop(t.untyped_storage().data_ptr(), None)
+    return sum(kept.values()) / (tokens * hidden)
+
+
 def charged_values(config) -> float:
     """What the planner charges a block of `config` per token and hidden unit (eager PyTorch)."""
     spec = from_hf_config(config)
@@ -156,6 +174,11 @@ def print_counts(compiled: bool = False) -> None:
             share = fused / eager
             line += (f"; forward + backward eager {eager:5.1f}, compiled {fused:5.1f}: {share:.3f} of eager "
                      f"(the planner charges {COMPILED_ELEMENTWISE_SHARE:.3f})")
+            torch._dynamo.reset()
+            eager_kept, compiled_kept = (kept_for_backward(b, HIDDEN, TOKENS, **kwargs) for b in (block, torch.compile(block)))
+            torch._dynamo.reset()
+            line += (f"\n         kept for backward (bytes per token and hidden unit): eager {eager_kept:.1f}, compiled "
+                     f"{compiled_kept:.1f} ({compiled_kept / eager_kept - 1:+.0%}; the planner charges eager's)")
         print(line)
 
 

@@ -165,7 +165,8 @@ class Cluster:
     cross on fewer, as DeepSpeed's ZeRO-3 did in bench/planner_published.py). `executor`: whose
     recompute and collectives the step runs (`EXECUTORS`). `compiled`: the blocks run compiled
     (`pmodel.compile()`, torchtitan's `compile`), their elementwise traffic
-    COMPILED_ELEMENTWISE_SHARE of eager's (time only: their saved tensors are charged as eager's)."""
+    COMPILED_ELEMENTWISE_SHARE of eager's (time only: their saved tensors are charged as eager's,
+    an upper bound; a compiled Llama block keeps a third less, bench/elementwise_count.py)."""
 
     gpus: int
     gpus_per_node: int = 8
