@@ -261,7 +261,7 @@ def walk(run: Run, pick: Candidate) -> list[WalkStep]:
     steps = [WalkStep(None, "published layout", predict(run))]
     software = [("flash attention", run.spec.attention != pick.spec.attention),
                 ("torch's cross-entropy", run.spec.fused_loss != pick.spec.fused_loss),
-                ("torch's kernels", bool({"elementwise", "compiled"} & {k for k, v in (run.executor or {}).items() if v})),
+                ("torch's kernels", any((run.executor or {}).get(k) for k in ("elementwise", "compiled"))),
                 ("collectives on every NIC", "nics_per_node" in (run.executor or {})),
                 (OWN_EXECUTION.get((run.executor or {}).get("executor")), "executor" in (run.executor or {})),
                 (f"torch's {pick.optimizer} Adam", pick.optimizer != run.optimizer)]
