@@ -377,8 +377,9 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
     draws = whole_sequence_draws(config.cp, config.sequence_dim) if config.cp > 1 else None
     router_rows = config.resolve(dist.get_world_size()).dp * config.cp  # a capture routes one rank's tokens
     try:
+        cast = config.param_dtype if config.param_dtype not in (None, torch.float32) else None  # apply_mixed_precision's
         program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts,
-                                                           draws, router_rows)
+                                                           draws, router_rows, cast)
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample

@@ -98,18 +98,28 @@ class Program:
                 self.producer[value] = step.index
 
 
-def fake_shadow(module: nn.Module, fake_mode: FakeTensorMode | None) -> tuple[nn.Module, FakeTensorMode]:
+def fake_shadow(module: nn.Module, fake_mode: FakeTensorMode | None,
+                dtype: torch.dtype | None = None) -> tuple[nn.Module, FakeTensorMode]:
     """A copy of `module` whose parameters and buffers are fake tensors (no memory), and the
-    fake mode to run it in. A module already built by deferred_init keeps its fake tensors."""
+    fake mode to run it in. A module already built by deferred_init keeps its fake tensors.
+    `dtype`: the floating-point dtype the module will run in (ParallelConfig.param_dtype), which
+    the shadow takes too: a capture must see the dtypes the stages will, or a cast the forward
+    makes (Hugging Face's loss upcasting bf16 logits to float32) is a no-op on float32 values,
+    goes unrecorded, and the stages would compute the loss in bf16."""
     tensors = list(module.parameters()) + list(module.buffers())
-    if fake_mode is None:
+    own_mode = fake_mode is None
+    if own_mode:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        memo: dict[int, Any] = {}
-        for t in tensors:
-            fake = fake_mode.from_tensor(t.detach())
-            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    else:
-        memo = {id(t): t for t in tensors}
+    memo: dict[int, Any] = {}
+    for t in tensors:
+        value = fake_mode.from_tensor(t.detach()) if own_mode else t
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+            with fake_mode:
+                value = value.detach().to(dtype)
+        if value is t:
+            memo[id(t)] = t
+        else:
+            memo[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
     shadow = copy.deepcopy(module, memo)
     for experts in grouped_experts(shadow).values():  # their token grouping has data-dependent shapes, which
         experts.forward = _same_shape  # fake tensors cannot run; a capture needs only the output's shape
@@ -236,13 +246,15 @@ class _Builder:
 
 def capture_module(module: nn.Module, microbatch: Any, fake_mode: FakeTensorMode | None = None,
                    parts: list[str] | tuple[str, ...] = (), draws: Callable[[Any], Any] | None = None,
-                   router_rows: int = 1) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
+                   router_rows: int = 1, dtype: torch.dtype | None = None,
+                   ) -> tuple[Program, nn.Module, FakeTensorMode, list[str]]:
     """Capture `module`'s forward on `microbatch` at the units of plan/stages.py: the program,
-    the fake shadow it ran on (kept to capture other shapes later), its fake mode and the units."""
+    the fake shadow it ran on (kept to capture other shapes later; in `dtype`, as `fake_shadow`),
+    its fake mode and the units."""
     from ...plan.stages import candidate_units
 
     units = candidate_units(module, parts)
-    shadow, fake_mode = fake_shadow(module, fake_mode)
+    shadow, fake_mode = fake_shadow(module, fake_mode, dtype)
     return capture(shadow, fake_mode, microbatch, units, draws, router_rows), shadow, fake_mode, units
 
 
