@@ -78,6 +78,33 @@ def expected(model: dict, recompute: str | None, t: int, sp: bool) -> float:
     return 4 * elements
 
 
+def expected_bf16_llama(recompute: str | None, t: int, sp: bool) -> float:
+    """Bytes one block of the Llama above keeps with bf16 parameters (a = 2 bytes a value),
+    averaged over its two blocks. Hugging Face's RMSNorm casts its input to float32 and keeps
+    that copy (4 bytes), x*rsqrt cast back (a) and its output (a): 4 + 2a a norm. In float32 the
+    copy is the residual sum itself (the 4 + 2a the formula above charges as 2 norm tensors and
+    a residual sum); in bf16 nothing else keeps the sum, so no residual sums are charged. Under
+    recompute each block's output is kept as the next block's input, but the final norm keeps
+    its float32 copy of the last block's: one block output fewer over the two blocks.
+      none       sbh (2 (4 + 2a) + a (4 + M)) + 8 sb (two float32 rsqrt) + 4 asb, sharded as above
+      selective  a sbh (7 + K f/h) + 4 asb - a sbh / 2
+      full       a sbh / 2"""
+    a, layers = 2, 2
+    sbh, sb, asb = S * B * H, S * B, A * S * B
+    llama = MODELS["llama"]
+    norms, shardable = 2 * (4 + 2 * a) * sbh, a * (4 + llama["mlp"]) * sbh
+    last_output = a * sbh / layers / (t if sp else 1)
+    if recompute == "full":
+        return last_output
+    if recompute == "selective":
+        if t == 1 or sp:
+            return (a * sbh * (7 + llama["ups"]) + 4 * asb) / t - last_output
+        return a * sbh * (3 + (4 + llama["ups"]) / t) + 4 * asb / t - last_output
+    if t == 1 or sp:
+        return (norms + shardable + 8 * sb + 4 * asb) / t
+    return norms + shardable / t + 8 * sb + 4 * asb / t
+
+
 def _llama(attention: str = "sdpa"):
     from test_zoo import EndToEnd
 
@@ -113,10 +140,13 @@ RECOMPUTE = [None, "selective", "selective-alternate", "full"]
 def test_saved_bytes_per_layer_match_the_formula(world):
     layouts = [{}] if world == 1 else [{"tp": 2}, {"tp": 2, "sequence_parallel": True}]
     cases = [(kind, {**layout, "recompute": r}) for kind in MODELS for layout in layouts for r in RECOMPUTE]
+    cases += [("llama", {**layout, "recompute": r, "param_dtype": torch.bfloat16}) for layout in layouts
+              for r in (None, "selective", "full")]
     measured = sw.testing.run_on_ranks(_measure, world, cases)
     for rank_values in measured:
         for (kind, config), got in zip(cases, rank_values):
-            want = expected(MODELS[kind], config["recompute"], config.get("tp", 1), config.get("sequence_parallel", False))
+            shape = (config["recompute"], config.get("tp", 1), config.get("sequence_parallel", False))
+            want = expected_bf16_llama(*shape) if "param_dtype" in config else expected(MODELS[kind], *shape)
             assert abs(got - want) <= MARGIN * want, f"{kind} {config}: {got:.0f} bytes per layer, formula {want:.0f}"
     by_case = dict(zip([(k, tuple(sorted(c.items(), key=str))) for k, c in cases], measured[0]))
     for kind, config in cases:  # full recompute keeps at most a fifth of what no recompute keeps

@@ -154,10 +154,13 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
         kept_selective = act_bytes * scores
     else:
         kept = kept_selective = 0.0
+    # the two residual sums, each the input of a norm: in a lower precision Hugging Face's RMSNorm
+    # keeps its float32 copy (charged in norm_bytes) and nothing keeps the sum itself
+    residuals = np.where(spec.keeps_float32_norm & (act_bytes < FLOAT32), 0, 2)
     split = (tp == 1) | (sp == 1)
     none = np.where(split,
-                    (norm_bytes * sbh + (kept_qkv + 2 + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
-                    norm_bytes * sbh + 2 * act_bytes * sbh + (kept_qkv + mlp) * act_bytes * sbh / tp
+                    (norm_bytes * sbh + (kept_qkv + residuals + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
+                    norm_bytes * sbh + residuals * act_bytes * sbh + (kept_qkv + mlp) * act_bytes * sbh / tp
                     + stats * tokens + lse / tp)
     selective = np.where(split, ((attention + 2 + down + ups) * act_bytes * sbh + lse) / tp,
                          (2 + down + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
@@ -187,17 +190,24 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
                                                                           alternate], full)
 
 
-def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes):
+def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes, recompute, pp):
     """(first rank, last rank) bytes outside the blocks. First: the embedding's output (on
     sequence shards under sp) and, for rotary models, the cos/sin tables. Last: the final
     norm's kept tensors and the cross-entropy's log-probabilities (`loss_bytes`; the logits
-    themselves are not kept; vocabulary-sharded by the loss-parallel head)."""
+    themselves are not kept; vocabulary-sharded by the loss-parallel head). In a lower precision
+    Hugging Face's RMSNorm keeps a float32 copy of its input, not the input (charged to the
+    norm), so the ends of the residual stream are kept only where recompute keeps a block's
+    input: the embedding's output, and the last block's output recompute charges that block.
+    Under pp the first rank's stage output, which the pipeline holds for its backward, stands
+    in for the embedding's (the same size) where no block is charged it."""
     sbh = tokens * spec.hidden
     shard = np.where(sp == 1, tp, 1)
+    copied = spec.keeps_float32_norm & (act_bytes < FLOAT32)  # the norms keep float32 copies of their inputs
     rotary = 2 * seq_local * (spec.hidden // spec.heads) * act_bytes if spec.norm == "rmsnorm" else 0
-    first = act_bytes * sbh / shard + rotary
+    first = np.where(copied & (recompute == 0) & (pp == 1), 0.0, act_bytes * sbh / shard) + rotary
     if spec.keeps_float32_norm:  # float32 x*rsqrt and output, rsqrt
         norm = (2 * FLOAT32 * sbh + FLOAT32 * tokens) / shard
+        norm = norm - np.where(copied & (recompute > 0), act_bytes * sbh / shard, 0.0)
     else:  # output, mean and rstd (a fused RMSNorm: one tensor and rstd)
         norm = (act_bytes * sbh + (1 if spec.norm == "rmsnorm" else 2) * FLOAT32 * tokens) / shard
     last = norm + loss_bytes(spec, act_bytes) * tokens * spec.vocab / tp
@@ -357,7 +367,7 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     # activations of one microbatch on this rank
     tokens = L.micro_batch * seq_len / L.cp
     block = block_activation_bytes(spec, tokens, L.tp, L.sp, L.cp, L.recompute, L.param_bytes, L.ep, seq_len)
-    end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes)
+    end_first, end_last = end_activation_bytes(spec, tokens, seq_len / L.cp, L.tp, L.sp, L.param_bytes, L.recompute, L.pp)
     act_first = layers_first * block + end_first + np.where(L.pp == 1, end_last, 0)
     act_last = layers_last * block + end_last
     held = in_flight(L)
