@@ -500,6 +500,8 @@ def test_search_refuses_bad_requests():
     with pytest.raises(ConfigError, match="elementwise=8.0 is below the 11 values.*executor='megatron'"):
         Cluster(8, device="a100", executor="megatron", elementwise=8)
     assert Cluster(8, device="a100", executor="megatron", elementwise=11).spec.elementwise == 11
+    with pytest.raises(ConfigError, match="compiled=True with executor='megatron'.*pass compiled=False"):
+        Cluster(8, device="a100", executor="megatron", compiled=True)
     # which of a mixture's matmuls alternate depends on its implementation: not modelled, refused (and not searched)
     with pytest.raises(ConfigError, match="recompute='selective-alternate'.*mixture"):
         sw.plan.evaluate("mixtral-8x7b", Cluster(8), sw.ParallelConfig(dp=8, recompute="selective-alternate"),

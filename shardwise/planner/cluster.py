@@ -219,6 +219,10 @@ class Cluster:
         if spec.memory_bytes <= 0:
             raise ConfigError(f"device {self.device!r} has no memory size; pass memory_bytes=...")
         replicated = EXECUTORS[self.executor].tp_replicated_elementwise
+        if replicated is not None and self.compiled:
+            raise ConfigError(f"compiled=True with executor={self.executor!r}: compiled means blocks of eager "
+                              "PyTorch under torch.compile; that executor's kernels are fused by hand (describe "
+                              "their traffic with elementwise=...), so pass compiled=False")
         if replicated is not None and spec.elementwise < replicated:
             raise ConfigError(f"elementwise={spec.elementwise!r} is below the {replicated:g} values per token and "
                               f"hidden unit that executor={self.executor!r} runs outside its tp regions alone; "
