@@ -299,11 +299,15 @@ RECOMPUTE_PEAKS = [("gpt", {"dp": 4, "recompute": "full"}), ("llama", {"dp": 4, 
                    ("gpt", {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"}),
                    ("llama", {"dp": 4, "recompute": "selective-alternate"}),
                    ("gpt-vocab", {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "gpipe"}, 2)]
+# a bf16 Hugging Face Llama, whose RMSNorms keep float32 copies of their inputs (the residual sums)
+BF16_PEAKS = [("llama", {"dp": 4, "param_dtype": torch.bfloat16, **options})
+              for options in ({}, {"recompute": "selective"}, {"zero": 3}, {"tp": 2, "dp": 2},
+                              {"pp": 2, "dp": 2, "microbatches": 4})]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
     for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS + VOCAB_PEAKS \
-    + RECOMPUTE_PEAKS
+    + RECOMPUTE_PEAKS + BF16_PEAKS
 
 
 BIG_WORLD = 64
