@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from .batch import batch_signature, batch_size, loss_of, split_batch
 from .compat import functional_all_gather
 from .coordination import Fingerprint, _agreed, fingerprint_of
-from .errors import BatchError, ModelError, PlanError, ShardwiseError
+from .errors import BatchError, ConfigError, ModelError, PlanError, ShardwiseError
 from .step_output import detached, tokens_of
 from .parallel.data.held_apart import GradientHeldApart
 from .tensors import is_sharded, local, tensor_leaves
@@ -75,6 +75,21 @@ def overlaps_forward(pmodel: "ParallelModule", op: str) -> bool:
             and pmodel.gradients.sync_enabled)
 
 
+def refuse_autocast_under_pp(pmodel: "ParallelModule", op: str) -> None:
+    """Pipeline stages replay the code between the model's modules (the loss, residual sums) as
+    it was captured, without autocast: a cast autocast would add, or one it turns into a no-op,
+    is not replayed as one process under autocast runs it (Hugging Face's loss ran in bf16 where
+    one process runs it in float32). Refused, naming the cast the stages do replay exactly."""
+    device = pmodel.topology.device.type
+    if pmodel.pipeline is not None and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        raise ConfigError(f"{op} under torch.autocast({device!r}, dtype={dtype}) with pp={pmodel.config.pp}: the "
+                          "stages replay the forward's code between modules as captured without autocast, so they "
+                          "would not compute what autocast computes in one process. Cast the model instead: "
+                          f"ParallelConfig(param_dtype={dtype}) keeps float32 masters and runs as the model cast to "
+                          f"{dtype} does in one process")
+
+
 def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, check: bool) -> StepBatch:
     """Validate and split `batch`, agree with every rank, and return it (on this rank's
     device; under cp this rank's part of the sequence), its microbatches and the weights of
@@ -85,6 +100,7 @@ def agree_on_batch(pmodel: "ParallelModule", op: str, batch: Any, parts: int, ch
     only the data-parallel ranks combine their sample counts."""
     problem, whole, microbatches, samples, loss_weights = None, batch, [], 0, None
     try:
+        refuse_autocast_under_pp(pmodel, op)
         whole = batch = pmodel.prepare(batch)
         samples = batch_size(batch)
         if pmodel.context_parallel is not None:

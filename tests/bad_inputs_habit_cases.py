@@ -159,6 +159,25 @@ def _called_directly_under_pp(how: str):
     return "ran"
 
 
+def _under_autocast(**config):
+    """train_step inside torch.autocast(bf16), the way users write mixed precision. Data
+    parallel computes what one process does under autocast (the replicas' mean of its losses,
+    exactly); pp was refused (its stages replay the forward's glue as captured without autocast,
+    and Hugging Face's loss ran in bf16: 4.15625 for one process's 4.15729)."""
+    from test_zoo import batches, make
+
+    batch = batches("llama", 1)[0]
+    pm = sw.parallelize(make("llama"), sw.ParallelConfig(**config), sample=batch if config.get("pp", 1) > 1 else None)
+    index, count = sw.data_parallel_info(pm)
+    device = pm.topology.device.type
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = pm.train_step({k: v.chunk(count)[index] for k, v in batch.items()})
+    model = make("llama")
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want = torch.stack([model({k: v.chunk(count)[i] for k, v in batch.items()}) for i in range(count)]).mean()
+    return bool(torch.equal(loss, want.detach().float()))
+
+
 class _ReadsByAttribute(nn.Module):
     """An end2end module reading a tokenizer's BatchEncoding by attribute (or by key) and
     returning transformers' own output."""
@@ -269,6 +288,9 @@ HABITS = {
                                            "Compile the model's blocks with pmodel.compile(...) instead"),
     "torch.compile of a function calling train_step": Case(lambda: _compiled_whole("train_step"), "ConfigError",
                                                            "torch.compile traced pmodel.train_step"),
+    "train_step under torch.autocast": Case(lambda: _under_autocast(), None, check=lambda v: v is True),
+    "train_step under torch.autocast, pp": Case(lambda: _under_autocast(pp=2, microbatches=2), "ConfigError",
+                                                "Cast the model instead: ParallelConfig(param_dtype=torch.bfloat16)"),
     "transformers' generate under pp": Case(lambda: _called_directly_under_pp("generate"), "ModelError",
                                             "a direct call of the model under pp=2"),
     "the model's own forward under pp": Case(lambda: _called_directly_under_pp("forward"), "ModelError",
