@@ -294,6 +294,11 @@ def _weights_held_in_part(topology: Topology, config: ParallelConfig) -> str | N
     return None
 
 
+def cast_dtype(config: ParallelConfig) -> torch.dtype | None:
+    """The dtype `apply_mixed_precision` casts the module to, or None where it leaves it as it is."""
+    return None if config.param_dtype in (None, torch.float32) else config.param_dtype
+
+
 def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int, torch.Tensor]:
     """Cast `module` to `config.param_dtype`; returns the float32 values from before the cast
     (parameter id -> local tensor), from which the optimizer's master copies start.
@@ -302,7 +307,7 @@ def apply_mixed_precision(module: nn.Module, config: ParallelConfig) -> dict[int
         module: the module, materialized and on its device.
         config: `param_dtype` None or float32 leaves the module as it is (returns {}).
     """
-    if config.param_dtype in (None, torch.float32):
+    if cast_dtype(config) is None:
         return {}
     fp32_values = {id(p): local(p).detach().float().clone() for p in module.parameters() if p.requires_grad}
     module.to(config.param_dtype)
@@ -377,9 +382,8 @@ def _pipeline_layout(module: nn.Module, plan: Plan, config: ParallelConfig, samp
     draws = whole_sequence_draws(config.cp, config.sequence_dim) if config.cp > 1 else None
     router_rows = config.resolve(dist.get_world_size()).dp * config.cp  # a capture routes one rank's tokens
     try:
-        cast = config.param_dtype if config.param_dtype not in (None, torch.float32) else None  # apply_mixed_precision's
         program, shadow, fake_mode, units = capture_module(module, microbatch, _fake_mode_of(module), plan.parts,
-                                                           draws, router_rows, cast)
+                                                           draws, router_rows, cast_dtype(config))
     except ShardwiseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the module's own forward failed on the sample

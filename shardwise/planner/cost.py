@@ -118,6 +118,12 @@ class Cost:
                 + self.dp_comm + self.optimizer_step)
 
 
+def norms_copy_inputs(spec: ModelSpec, act_bytes):
+    """Whether the norms keep float32 copies of their inputs in place of the inputs (the residual
+    sums): Hugging Face's RMSNorm at activations below float32 (at float32 the copy is the sum)."""
+    return spec.keeps_float32_norm & (act_bytes < FLOAT32)
+
+
 def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_bytes, ep, seq_len):
     """Bytes one block keeps for backward for `tokens` tokens of one microbatch on this rank
     (see tests/test_activations.py for the derivation of each coefficient), sequences of
@@ -156,7 +162,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
         kept = kept_selective = 0.0
     # the two residual sums, each the input of a norm: in a lower precision Hugging Face's RMSNorm
     # keeps its float32 copy (charged in norm_bytes) and nothing keeps the sum itself
-    residuals = np.where(spec.keeps_float32_norm & (act_bytes < FLOAT32), 0, 2)
+    residuals = np.where(norms_copy_inputs(spec, act_bytes), 0, 2)
     split = (tp == 1) | (sp == 1)
     none = np.where(split,
                     (norm_bytes * sbh + (kept_qkv + residuals + mlp) * act_bytes * sbh + stats * tokens + lse) / tp,
@@ -202,7 +208,7 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes, 
     in for the embedding's (the same size) where no block is charged it."""
     sbh = tokens * spec.hidden
     shard = np.where(sp == 1, tp, 1)
-    copied = spec.keeps_float32_norm & (act_bytes < FLOAT32)  # the norms keep float32 copies of their inputs
+    copied = norms_copy_inputs(spec, act_bytes)
     rotary = 2 * seq_local * (spec.hidden // spec.heads) * act_bytes if spec.norm == "rmsnorm" else 0
     first = np.where(copied & (recompute == 0) & (pp == 1), 0.0, act_bytes * sbh / shard) + rotary
     if spec.keeps_float32_norm:  # float32 x*rsqrt and output, rsqrt
