@@ -49,14 +49,17 @@ MIXTURES = ("mixtral",)
 def build(kind: str) -> nn.Module:
     """A small model of `kind`: "gpt", "gpt-wide" (4x the width: parameters outweigh one
     sequence's activations, as in a large model's step), "gpt-vocab" (a 16K vocabulary: the
-    loss's logits outweigh the blocks, as Llama 3's 128K do), "llama", "llama-eager", "mixtral"."""
+    loss's logits outweigh the blocks, as Llama 3's 128K do), "llama", "llama-eager", "llama-shallow"
+    (one block, a KV head per head up to tp 4: what a backward holds beside the activations weighs), "mixtral"."""
     torch.manual_seed(0)
     if kind in ("gpt", "gpt-wide", "gpt-vocab"):
         width = 4 * WIDTH if kind == "gpt-wide" else WIDTH
         vocab = 16384 if kind == "gpt-vocab" else VOCAB
         return GPT(GPTConfig(vocab_size=vocab, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, d_model=width))
-    shape = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
-                 num_hidden_layers=LAYERS, intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
+    shallow = kind == "llama-shallow"
+    shape = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS,
+                 num_key_value_heads=HEADS if shallow else HEADS // 2,
+                 num_hidden_layers=1 if shallow else LAYERS, intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
     if kind == "mixtral":  # 4 experts, 2 per token
         config = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
         config._attn_implementation = "sdpa"
@@ -303,11 +306,18 @@ RECOMPUTE_PEAKS = [("gpt", {"dp": 4, "recompute": "full"}), ("llama", {"dp": 4, 
 BF16_PEAKS = [("llama", {"dp": 4, "param_dtype": torch.bfloat16, **options})
               for options in ({}, {"recompute": "selective"}, {"zero": 3}, {"tp": 2, "dp": 2},
                               {"pp": 2, "dp": 2, "microbatches": 4})]
+# a norm's backward under tp without sp, where it is replicated and the blocks' tensors are not:
+# Hugging Face's RMSNorm computes it in float32 (five tensors of its input's size at once), the
+# final norm's after the loss's backward and a block's second norm's after its MLP's (under recompute
+# the block's peak); one block, so they weigh against the activations
+NORM_PEAKS = [("llama-shallow", {"tp": 4, "param_dtype": torch.bfloat16}), ("llama-shallow", {"tp": 4}),
+              ("llama-shallow", {"tp": 4, "param_dtype": torch.bfloat16, "recompute": "full"}),
+              ("llama-shallow", {"tp": 4, "param_dtype": torch.bfloat16, "recompute": "selective"})]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [
     ("gpt", {"pp": 2, "dp": 2, "microbatches": m, "schedule": schedule})
     for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") for m in (4, 8)] + MICROBATCH_PEAKS + WIDE_PEAKS + STEP_PEAKS + VOCAB_PEAKS \
-    + RECOMPUTE_PEAKS + BF16_PEAKS
+    + RECOMPUTE_PEAKS + BF16_PEAKS + NORM_PEAKS
 
 
 BIG_WORLD = 64

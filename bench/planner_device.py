@@ -32,7 +32,7 @@ On an H200 (torch 2.11) this found the optimizer step 4.3x the planner's one fus
 putting a step's peak 20-27% above the prediction under full recompute, and, without
 recompute, the peak at the start of backward with the loss's float32 gradients of the
 logits (7.8 GiB for Llama 3's vocabulary at 8K tokens); all three are in the model now
-(timing.optimizer_bytes, cost.step_temporaries, cost.loss_backward_bytes).
+(timing.optimizer_bytes, transients.step_temporaries, transients.loss_backward_bytes).
 
 Nothing here is asserted: it prints, and `--json` keeps the numbers.
 """

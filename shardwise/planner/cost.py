@@ -18,8 +18,9 @@ flight and the embedding, or the last, which keeps the logits):
   measured against `sw.activation_memory` in tests/test_activations.py and
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
   keep, times the microbatches a pipeline schedule holds at once; and what a backward holds
-  beyond them, the loss's transients or, while a block's backward runs, what recompute brings
-  back of it and the backward's own working memory;
+  beyond them (planner/transients.py), the loss's and then the final norm's transients or,
+  while a block's backward runs, what recompute brings back of it and the backward's own
+  working memory, its second norm's backward included;
 - buffers: ZeRO-3's gathered parameters of two blocks (and the cast shards they are gathered
   from); under ZeRO-2/3 the whole-gradient buckets a backward fills and reduce-scatters, at
   most IN_FLIGHT + 1 at once (ZeRO-3's, a block's each, less the activations of the blocks
@@ -48,11 +49,12 @@ from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster, Executor
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
-from .timing import OPTIMIZER_CODES, boundary_bytes, step_times
+from .timing import FLOAT32, OPTIMIZER_CODES, boundary_bytes, step_times
+from .transients import (block_backward_bytes, final_norm_backward_bytes, largest_block_tensor, loss_backward_bytes,
+                         loss_bytes, norm_in_block_backward_bytes, step_temporaries)
 
 SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2, "selective-alternate": 3}
-FLOAT32 = 4
 
 
 @dataclass
@@ -220,42 +222,6 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes, 
     return first, last
 
 
-def loss_bytes(spec: ModelSpec, act_bytes):
-    """Bytes of a log-probability: float32 where the loss upcasts the logits, else theirs."""
-    return FLOAT32 if spec.loss_float32 else act_bytes
-
-
-def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
-    """What the cross-entropy's backward adds on the rank with the head, above the states and a
-    microbatch's saved activations: the gradients of the log-probabilities and of the logits,
-    both alive beside the kept log-probabilities while the log-softmax's backward runs (each
-    tokens x vocab / tp; torch's loss_parallel, under tp, one more of that size). It comes
-    first in backward, before the parameters' gradients exist unless buffers keep them between
-    steps (dp or cp reduce them into buffers the executor keeps below ZeRO stage
-    `grads_kept_below_zero`: shardwise's 0/1; its 2/3 shards, as FSDP2's, zero_grad frees) or an
-    earlier microbatch's backward made them (`resident`); the planner counts `grads`
-    (the rank's gradient bytes) in every case, so only the excess shows.
-    Measured (bench/planner.py VOCAB_PEAKS): a GPT with a 16K vocabulary on 4 CPU ranks, dp (float32
-    and bf16), tp and tp x dp within 0.4% of the in-step peak (45-67% low without it); Llama 3's 128K
-    vocabulary at 8K tokens: 7.8 GiB on an H200."""
-    if spec.fused_loss:
-        return np.zeros_like(np.asarray(tokens, dtype=np.float64))
-    transients = np.where(L.tp > 1, 3, 2) * loss_bytes(spec, L.param_bytes) * tokens * spec.vocab / L.tp
-    return np.maximum(transients - np.where(resident, 0.0, grads), 0.0)
-
-
-def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
-    """What a block's backward holds at its start beside the saved activations: the gradient
-    received for its output, the gradient of the MLP's hidden activation (each up projection's)
-    and the down projection's weight gradient before it is accumulated. Measured: 704 KiB on our
-    GPT's first pipeline rank at pp 2 under GPipe and 1F1B, where the planner was 6.5% low
-    without it (tests/test_planner.py's in-step peaks)."""
-    ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
-    # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling)
-    weight_grad = np.where(L.zero >= 2, 0.0, spec.hidden * ffn * L.param_bytes)
-    return tokens * spec.hidden * L.param_bytes + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
-
-
 def in_flight(layout: Layout) -> np.ndarray:
     """Microbatches' worth of this rank's activations the first pipeline rank holds at its
     peak: GPipe all m; 1F1B min(m, p); torch's interleaved 1F1B warms up (v-1)p + 2(p-1)
@@ -391,9 +357,10 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
                                      * linear_outputs, 0.0)
     first, last = states(params_first, experts_first), states(params_last, experts_last)
     resident = ((shards > 1) & (L.zero < runs.grads_kept_below_zero)) | (L.microbatches > 1)
-    # What a backward holds beyond the saved activations: the loss's transients first, then, while a
-    # block's backward runs, what recompute brings back of it (all of it under full recompute) and
-    # its own working memory (zero-bubble's deferred weight backwards keep theirs, charged above). By
+    # What a backward holds beyond the saved activations: the loss's transients first, the final
+    # norm's next, then, while a block's backward runs, what recompute brings back of it (all of it
+    # under full recompute) and its own working memory at its start or at its second norm's backward
+    # (zero-bubble's deferred weight backwards keep theirs, charged above). By
     # then the rank with the head has freed one microbatch's head activations; at pp 1 without
     # recompute, what the backward has freed outweighs the working memory (charged, ZeRO 0-3's
     # in-step peaks read 1-7% over: bench/planner.py PEAK_LAYOUTS).
@@ -404,14 +371,21 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     recomputed = recomputed + np.where((L.recompute > 0) & (L.sp == 1) & (L.tp > 1),
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
     in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
+    in_block = np.maximum(in_block, norm_in_block_backward_bytes(spec, L, tokens, recomputed))
     after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last, 0.0))
     def in_backward(loss):  # (first, last) ranks' bytes beyond the saved activations, `loss` charging the loss's transients
         return (held_first + np.where(L.pp == 1, np.maximum(loss(first[1]), after_head), in_block),
                 held_last + np.maximum(loss(last[1]), after_head))
 
+    head_grads = np.where(spec.head_params[0] == 0, spec.embed_params[0], spec.head_params[0]) / L.tp * L.grad_bytes
+
+    def end_backward(grads, made):  # the loss's backward, then the final norm's (`made`: the gradients exist)
+        return np.maximum(loss_backward_bytes(spec, L, tokens, grads, made),
+                          final_norm_backward_bytes(spec, L, tokens, grads, made, head_grads))
+
     working = in_backward(lambda grads: 0.0)  # what a backward holds beside them, and with all of them
-    with_loss = in_backward(lambda grads: loss_backward_bytes(spec, L, tokens, grads, True))
-    held_first, held_last = in_backward(lambda grads: loss_backward_bytes(spec, L, tokens, grads, resident))
+    with_loss = in_backward(lambda grads: end_backward(grads, True))
+    held_first, held_last = in_backward(lambda grads: end_backward(grads, resident))
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)
@@ -472,25 +446,3 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     step = np.maximum(step_temporaries(spec, L, adam / optimizer_bytes, end_tensor) - activations - buffers, 0.0)
     return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first,
                    params_last + experts_last, first, last, act_first, act_last, layers_first, layers_last, bucket)
-
-
-def step_temporaries(spec: ModelSpec, L: Layout, elements, end_tensor):
-    """Bytes the optimizer step allocates on a rank whose optimizer updates `elements`, when the
-    activations and the backward's buffers are gone (measured on an H200: bench/planner_device.py;
-    on CPUs: bench/planner.py's in-step peak). Float32 masters take their gradients as float32
-    copies, all before the step (shardwise's data/zero.py load_grads; Megatron's main gradients);
-    torch's foreach Adam then holds the square roots of the second moments, one float32 per
-    element, its for-loop two float32 temporaries of one tensor at a time; a fused one none."""
-    masters = L.param_bytes < FLOAT32
-    casts = np.where(masters & (L.grad_bytes < FLOAT32), FLOAT32 * elements, 0.0)
-    largest = np.minimum(np.maximum(largest_block_tensor(spec, L), end_tensor), elements)
-    return casts + np.select([L.optimizer == OPTIMIZER_CODES["foreach"], L.optimizer == OPTIMIZER_CODES["for-loop"]],
-                             [FLOAT32 * elements, 2 * FLOAT32 * largest], 0.0)
-
-
-def largest_block_tensor(spec: ModelSpec, L: Layout):
-    """Elements of a block's largest parameter on one rank: an MLP matrix (hidden x ffn / tp),
-    or a mixture's fused expert weights (Hugging Face keeps gate and up projections of all of
-    a layer's experts in one tensor; ep splits the experts, tp leaves them whole)."""
-    fused_share = 2 / 3 if spec.mlp == "swiglu" else 1 / 2
-    return np.maximum(spec.hidden * spec.ffn / L.tp, spec.expert_params / L.ep * fused_share)
