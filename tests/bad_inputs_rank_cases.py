@@ -424,7 +424,16 @@ def _experts(kind: str, **config):
                           sw.ParallelConfig(**config), plan="mixtral" if config.get("tp", 1) > 1 else None)
 
 
+def _heads_past_tp():
+    from test_zoo import batches, make
+
+    pm = sw.parallelize(make("llama"), sw.ParallelConfig(tp=4), plan="llama")  # 2 KV heads
+    return pm.train_step(batches("llama")[0])
+
+
 RANKS4 = {
+    "tp past the KV heads": Case(_heads_past_tp, "PlanError",
+                                 "k_proj's output is 2 heads of 8 features, which tp=4 cannot split evenly"),
     "float8 all-gather under tp with zero=3": Case(_float8_gathered_under_tp, "ConfigError",
                                                    "enable_fsdp_float8_all_gather=True under tp=2 with zero=3"),
     "ep on a model without experts": Case(lambda: _experts("llama", ep=2), "ConfigError",

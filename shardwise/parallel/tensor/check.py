@@ -39,6 +39,7 @@ from ...errors import PlanError
 from ...tensors import op_name, tensor_leaves
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
+_RESHAPES = {"view", "_unsafe_view", "reshape"}
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,10 @@ class FeatureLayout:
 class FeatureFlow(TorchDispatchMode):
     """Follows sharded features through one forward (see the module docstring)."""
 
-    def __init__(self, column: frozenset[str] = frozenset()) -> None:
+    def __init__(self, column: frozenset[str] = frozenset(), tp: int = 1) -> None:
         super().__init__()
         self.column = column
+        self.tp = tp
         self.gathered: dict[int, str] = {}  # tensors an input conversion gathered for column readers -> where
         self.layout: dict[int, FeatureLayout] = {}
         self.taint: dict[int, frozenset[str]] = {}
@@ -111,6 +113,9 @@ class FeatureFlow(TorchDispatchMode):
             if inputs:
                 sources = sorted(set().union(*(self.taint[id(t)] for t in inputs)))
                 where = self.modules[-1] if self.modules else "the model's own code"
+                heads = self._partial_heads(func, args)
+                if heads:
+                    raise PlanError(f"the first forward under the plan failed in {where}: {heads}") from exc
                 raise PlanError(
                     f"the first forward under the plan failed in {where} ({op_name(func)}: {str(exc).splitlines()[0]}). "
                     f"Its inputs carry the feature-sharded outputs of column-parallel {sources}: the plan shards "
@@ -133,6 +138,21 @@ class FeatureFlow(TorchDispatchMode):
                 self._follow_layout(func, inputs, layouts[0], outputs)
         return out
 
+    def _partial_heads(self, func, args) -> str | None:
+        """Why a reshape of a column output into heads failed, where tp does not divide its heads:
+        the plan is right, the degree is not (a model with 2 KV heads at tp 4)."""
+        if op_name(func) not in _RESHAPES or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+            return None
+        layout, shape = self.layout.get(id(args[0])), list(args[1])
+        local = args[0].shape[-1] if args[0].dim() else 0
+        if layout is None or not shape or shape[-1] <= 0 or local % shape[-1] == 0 or (local * self.tp) % shape[-1]:
+            return None
+        width, heads = shape[-1], local * self.tp // shape[-1]
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        return (f"{layout.source}'s output is {heads} heads of {width} features, which tp={self.tp} cannot split "
+                f"evenly ({local} features a rank). tp must divide the number of heads (a Hugging Face config's "
+                f"num_attention_heads and num_key_value_heads): tp in {fits} would, or shard fewer modules")
+
     def _follow_layout(self, func, inputs: list[torch.Tensor], layout: FeatureLayout,
                        outputs: list[torch.Tensor]) -> None:
         source = next(t for t in inputs if self.layout.get(id(t)) == layout)
@@ -152,14 +172,15 @@ class FeatureFlow(TorchDispatchMode):
 
 @contextlib.contextmanager
 def checked_forward(module: nn.Module, column: dict[str, int], reducing: set[str], row: set[str],
-                    declared_inputs: set[str]) -> Iterator[FeatureFlow]:
+                    declared_inputs: set[str], tp: int = 1) -> Iterator[FeatureFlow]:
     """Run one forward of `module` under a `FeatureFlow`.
 
     column: path -> k (1 for Shard, k for StridedShard) of column-parallel modules;
     reducing: paths whose outputs are replicated again (row-parallel, vocab-parallel);
-    row: row-parallel paths; declared_inputs: modules whose input placement the plan gives.
+    row: row-parallel paths; declared_inputs: modules whose input placement the plan gives;
+    tp: the degree, to name the heads a reshape could not split.
     """
-    flow = FeatureFlow(frozenset(column))
+    flow = FeatureFlow(frozenset(column), tp)
     handles = []
     for path, mod in module.named_modules():
         def before(m, args, kwargs, path=path):

@@ -134,7 +134,8 @@ class TensorParallel:
         self.arrived_whole = []
         # eager, without compiling: Dynamo would see the check's dispatch mode and skip compiled blocks for good
         with torch.compiler.set_stance("force_eager"), \
-                checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs)) as flow:
+                checked_forward(module, self.column_blocks, reducing, row, set(self.resolved.inputs),
+                                self.size) as flow:
             self._flow = flow
             try:
                 yield
