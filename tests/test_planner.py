@@ -41,6 +41,15 @@ MEMORY_MARGIN = 0.10
 MOE_MEMORY_MARGIN = 0.01
 MOE_LAYOUTS = [("mixtral", 2, {"ep": 2}), ("mixtral", 2, {"tp": 2}), ("mixtral", 2, {"ep": 2, "recompute": "selective"}),
                ("mixtral", 2, {"tp": 2, "sequence_parallel": True})]
+# bf16 Llama layouts whose every activation term is derived (tests/test_activations.py: 0 bytes off a
+# block): what the planner leaves out are per-token scalars and indices, a few bytes a token against
+# the ~40 bytes a token and hidden unit a block keeps (< 0.5% at the bench's width of 64), on any
+# machine (saved tensors are counted, not timed), so 1%. Under pp the first stage's output, which the
+# pipeline holds for its backward, stands in for the embedding's, which nothing keeps in bf16 (left
+# uncharged, activations 2.5% low); charging the residual sums beside the norms' float32 copies, 15% high.
+COUNTED_MARGIN = 0.01
+COUNTED_LAYOUTS = [("llama", 2, {"tp": 2, "param_dtype": torch.bfloat16}),
+                   ("llama", 2, {"pp": 2, "microbatches": 2, "param_dtype": torch.bfloat16})]
 
 
 def test_memory_predictions_match_measurement(capsys):
@@ -53,19 +62,19 @@ def test_memory_predictions_match_measurement(capsys):
                # Hugging Face's eager attention keeps its s x s float32 softmax and k, v repeated to every head:
                # charged as SDPA's, the activations are predicted 17-27% low
                ("llama-eager", 2, {"tp": 2}), ("llama-eager", 2, {"dp": 2, "recompute": "selective"}),
-               # bf16 Llama: Hugging Face's RMSNorm keeps a float32 copy of each residual sum in place of
-               # the sum (tests/test_activations.py): charging the sums too put activations 15% high at tp 2
-               ("llama", 2, {"tp": 2, "param_dtype": torch.bfloat16}),
                # bf16 parameters, float32 gradients (the executor keeps them in reduce_dtype): states
                # -17% if the planner charged gradients at the parameters' 2 bytes
                ("gpt", 2, {"dp": 2, "zero": 1, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
                # ZeRO-3's float32 shard is the master, cast as it is gathered: states +12.5% if charged a
                # bf16 shard beside a float32 master (18 bytes an element where it takes 16)
                ("gpt", 2, {"dp": 2, "zero": 3, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})]
-    errors = bench.memory_validation(layouts + MOE_LAYOUTS)
-    assert len(errors) == len(layouts) + len(MOE_LAYOUTS)
-    for i, (name, total, states, activations) in enumerate(errors):  # each part on its own: a small wrong part
-        margin = MEMORY_MARGIN if i < len(layouts) else MOE_MEMORY_MARGIN  # hides in a sum
+    cases = [(layout, margin) for group, margin in ((layouts, MEMORY_MARGIN), (MOE_LAYOUTS, MOE_MEMORY_MARGIN),
+                                                     (COUNTED_LAYOUTS, COUNTED_MARGIN)) for layout in group]
+    cases.sort(key=lambda case: case[0][1])  # memory_validation's order: by world, stable
+    errors = bench.memory_validation([layout for layout, _ in cases])
+    assert len(errors) == len(cases)
+    for (_, margin), (name, total, states, activations) in zip(cases, errors):  # each part on its own: a small
+        # wrong part hides in a sum
         for part, error in (("total", total), ("model states", states), ("activations", activations)):
             assert abs(error) <= margin, f"{name}: predicted {part} {error:+.1%} off the measured bytes"
 
