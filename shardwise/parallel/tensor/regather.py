@@ -41,24 +41,32 @@ class RegatherCounts:
 
 class GatheredInput:
     """A sequence shard whose all-gather backward needs again, once for every column-parallel
-    matmul that kept it (`pending`)."""
+    matmul that kept it (`pending`). The matmuls save the shard as autograd saves any input, so
+    it is freed with their backward (kept by a retained graph); this object holds it only until
+    the block's forward ends (`forget_shard`). Held here as a matmul's attribute instead, it lived
+    as long as the graph did: under a pipeline every finished microbatch's shards until the step
+    ended (an in-step peak 11-13% over the planner's at pp 2 x tp 2 with sp)."""
 
     def __init__(self, shard: torch.Tensor, dim: int, group: dist.ProcessGroup, counts: RegatherCounts,
                  waiter: Callable[[dist.Work, str, dist.ProcessGroup], None]):
-        self.shard, self.dim, self.group, self.counts, self.waiter = shard, dim, group, counts, waiter
+        self.shard: torch.Tensor | None = shard
+        self.dim, self.group, self.counts, self.waiter = dim, group, counts, waiter
         self.pending = 0  # matmuls whose backward has not taken the whole input yet
         self.full: torch.Tensor | None = None  # gathered once per backward, for all of them
         self._arriving: Callable[[], torch.Tensor] | None = None  # the launched gather's wait
 
-    def launch(self) -> None:
+    def forget_shard(self) -> None:
+        self.shard = None
+
+    def launch(self, shard: torch.Tensor) -> None:
         if self.full is None and self._arriving is None:
-            self._arriving = all_gather_started(self.shard, self.group, self.dim, self.waiter,
+            self._arriving = all_gather_started(shard, self.group, self.dim, self.waiter,
                                                 "sequence parallelism's gather of a kept input shard")
 
-    def take(self, shape: tuple, stride: tuple, offset: int, beside: bool) -> torch.Tensor:
+    def take(self, shard: torch.Tensor, shape: tuple, stride: tuple, offset: int, beside: bool) -> torch.Tensor:
         """The whole input as the matmul read it (waiting for the launched gather)."""
         if self.full is None:
-            self.launch()
+            self.launch(shard)
             self.full, self._arriving = self._arriving(), None
             if beside:
                 self.counts.beside += 1
@@ -92,24 +100,24 @@ class _ColumnMatmul(torch.autograd.Function):
         ctx.view, ctx.dtypes = (tuple(x.shape), x.stride(), x.storage_offset()), (x.dtype, weight.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
         gathered.pending += 1
-        ctx.save_for_backward(weight)
+        ctx.save_for_backward(weight, gathered.shard)
         return column_matmul(x, weight, bias, conv1d)
 
     @staticmethod
     def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
+        weight, shard = ctx.saved_tensors
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         gathered = ctx.gathered
         x_dtype, weight_dtype = ctx.dtypes
         flat = grad.reshape(-1, grad.shape[-1])
         if needs_weight:
-            gathered.launch()
+            gathered.launch(shard)
         grad_x = grad_weight = grad_bias = None
         if needs_x:  # beside the gather (in the gradient's dtype: autocast's forward computed in it)
             weight = weight.to(grad.dtype)
             grad_x = (flat @ (weight.t() if ctx.conv1d else weight)).view(*grad.shape[:-1], -1).to(x_dtype)
         if needs_weight:
-            x = gathered.take(*ctx.view, beside=needs_x)
+            x = gathered.take(shard, *ctx.view, beside=needs_x)
             x = x.reshape(-1, x.shape[-1]).to(grad.dtype)
             grad_weight = (x.t() @ flat if ctx.conv1d else flat.t() @ x).to(weight_dtype)
         else:  # a frozen weight: nothing to gather for

@@ -259,7 +259,10 @@ class TensorParallel:
         self._drop_shared()
 
     def _drop_shared(self) -> None:
-        """Forget what a forward's (or a recomputation's) modules shared."""
+        """Forget what a forward's (or a recomputation's) modules shared; the shards kept for
+        backward stay with the matmuls that saved them."""
+        for gathered in self._gathered.values():
+            gathered.forget_shard()
         self._converted.clear()
         self._entered.clear()
         self._gathered.clear()
