@@ -372,7 +372,11 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
     in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
     in_block = np.maximum(in_block, norm_in_block_backward_bytes(spec, L, tokens, recomputed))
-    after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last, 0.0))
+    # (and the final norm's input, the last block's output, freed by the norm's backward: charged as
+    # the embedding's output where the norm keeps the residual sum itself, not a float32 copy)
+    norm_input = np.where(norms_copy_inputs(spec, L.param_bytes), 0.0,
+                          tokens * spec.hidden * L.param_bytes / np.where(L.sp == 1, L.tp, 1))
+    after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last - norm_input, 0.0))
     def in_backward(loss):  # (first, last) ranks' bytes beyond the saved activations, `loss` charging the loss's transients
         return (held_first + np.where(L.pp == 1, np.maximum(loss(first[1]), after_head), in_block),
                 held_last + np.maximum(loss(last[1]), after_head))

@@ -67,11 +67,14 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     received for its output, the gradient of the MLP's hidden activation (each up projection's)
     and the down projection's weight gradient before it is accumulated. Measured: 704 KiB on our
     GPT's first pipeline rank at pp 2 under GPipe and 1F1B, where the planner was 6.5% low
-    without it (tests/test_planner.py's in-step peaks)."""
+    without it (tests/test_planner.py's in-step peaks). Under sp the gradient arrives as a
+    sequence shard, kept for the residual branch, and the down projection's backward gathers it
+    whole: both are held."""
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
     # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling)
     weight_grad = np.where(L.zero >= 2, 0.0, spec.hidden * ffn * L.param_bytes)
-    return tokens * spec.hidden * L.param_bytes + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
+    received = tokens * spec.hidden * L.param_bytes * (1 + np.where((L.sp == 1) & (L.tp > 1), 1 / L.tp, 0.0))
+    return received + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
 
 
 def norm_in_block_backward_bytes(spec: ModelSpec, L: Layout, tokens, recomputed):
