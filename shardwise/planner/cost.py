@@ -173,7 +173,7 @@ def block_activation_bytes(spec: ModelSpec, tokens, tp, sp, cp, recompute, act_b
     selective = np.where(split, ((attention + 2 + down + ups) * act_bytes * sbh + lse) / tp,
                          (2 + down + (attention + ups) / tp) * act_bytes * sbh + lse / tp)
     if moe:
-        # transformers' grouped experts, per token (tests/test_planner.py measures it): each of its k
+        # transformers' grouped experts, per token (tests/test_planner_memory.py measures it): each of its k
         # slots keeps the gathered input and the expert's output (h each), gate_up, silu and their
         # product (4 ffn); the router its float32 probabilities (E), top-k values and their sum (k + 1),
         # the slots' weights (k) and 4k int64 indices (top-k, the sort by expert, gather and scatter

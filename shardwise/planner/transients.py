@@ -67,7 +67,7 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     received for its output, the gradient of the MLP's hidden activation (each up projection's)
     and the down projection's weight gradient before it is accumulated. Measured: 704 KiB on our
     GPT's first pipeline rank at pp 2 under GPipe and 1F1B, where the planner was 6.5% low
-    without it (tests/test_planner.py's in-step peaks). Under sp the gradient arrives as a
+    without it (tests/test_planner_memory.py's in-step peaks). Under sp the gradient arrives as a
     sequence shard, kept for the residual branch, and the down projection's backward gathers it
     whole: both are held."""
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
