@@ -216,3 +216,59 @@ def test_a_pipelines_peak_does_not_grow_with_its_microbatches():
     one = bench.MICRO * bench.SEQ * bench.WIDTH * 4
     for (_, few), (_, many) in sw.testing.run_on_ranks(bench.measure_peak, 2, cases):
         assert many - few < 4 * one, f"the peak grew by {many - few} bytes from 4 to 16 microbatches"
+
+
+class WideGlue(torch.nn.Module):
+    """Glue computing a wide tensor that no later step reads (a mean taken over it), before four
+    blocks whose activations weigh as much as it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, GLUE_WIDTH), torch.nn.Tanh(),
+                                                              torch.nn.Linear(GLUE_WIDTH, 16)) for _ in range(4))
+
+    def forward(self, batch):
+        x = batch + batch.repeat(1, 4 * GLUE_WIDTH // 16).mean(-1, keepdim=True)  # the wide tensor: 4 tensors' worth
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+GLUE_WIDTH, GLUE_ROWS = 4096, 64
+
+
+def _first_stage_peak() -> tuple[int, float]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import planner as bench
+
+    batch = torch.randn(2 * GLUE_ROWS, 16, generator=torch.Generator().manual_seed(0))
+    pm = sw.parallelize(WideGlue(), sw.ParallelConfig(pp=2, microbatches=2), plan=sw.Plan(stages=["blocks.2"]),
+                        sample=batch)
+    opt = sw.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+
+    def step():
+        pm.train_step(batch)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    return pm.topology.rank, float(bench._allocation_peak(step, pm.topology.device))
+
+
+def test_a_stage_lets_go_of_glue_values_after_their_last_use():
+    """A stage replays its glue and calls its blocks with the values it keeps by id; it kept them
+    all to the stage's end, so a glue value no later step reads (here a wide tensor whose mean is
+    taken: W = 4 tensors of a microbatch's GLUE_ROWS x GLUE_WIDTH floats) stayed beside the
+    blocks' activations. The first stage holds two blocks (A: each keeps its Tanh's output, one
+    tensor) for both microbatches under 1F1B. Freed after its last use, the first stage's in-step
+    peak is the largest of: A + W (the second microbatch's glue beside the first's blocks), 2A +
+    the Linear's output before the Tanh, and 2A + two gradients of that size in backward + the
+    four weight gradients (a quarter tensor each): at most 7 tensors. Kept, it is at least 2A + W +
+    the Linear's output = 9 tensors."""
+    one = GLUE_ROWS * GLUE_WIDTH * 4
+    first = sw.testing.run_on_ranks(_first_stage_peak, 2)[0][1]
+    assert first < 8 * one, f"the first stage's peak is {first / one:.2f} tensors of {one} bytes"

@@ -31,6 +31,7 @@ class StageModule(nn.Module):
         self.last = last
         self.device = device
         self._calls: list | None = None  # per step: spec, fixed leaves, slots (built at the first call)
+        self._done_after: list[list[int]] = []  # per step: values no later step reads, nor the stage returns
         self._reads_batch = True
         self.units = nn.ModuleDict()  # for PipelineStage's parameter bookkeeping only
         for index in part.steps:
@@ -67,6 +68,19 @@ class StageModule(nn.Module):
             read |= {leaf.id for leaf in tree_flatten(self.program.output)[0] if isinstance(leaf, Ref)}
         read |= set(self.part.sends)
         self._reads_batch = bool(read & set(self.program.inputs))
+        # a value is let go after the last step reading it: the replay's environment held every
+        # value to the stage's end, so glue outputs outlived their use (a sequence-parallel stage
+        # kept its whole embedding output beside the shards the blocks read)
+        returned = set(self.part.sends) | ({leaf.id for leaf in tree_flatten(self.program.output)[0]
+                                            if isinstance(leaf, Ref)} if self.last else set())
+        last_read: dict[int, int] = {}
+        for position, (step, _, _, refs, _, _) in enumerate(self._calls):
+            for value in list(step.outputs) + [value for _, value in refs]:
+                last_read[value] = position
+        self._done_after = [[] for _ in self._calls]
+        for value, position in last_read.items():
+            if value not in returned:
+                self._done_after[position].append(value)
 
     def forward(self, *received: torch.Tensor, batch: Any) -> Any:
         root = self._root[0]
@@ -75,7 +89,7 @@ class StageModule(nn.Module):
         env: dict[int, Any] = dict(zip(self.part.receives, received))
         if self._reads_batch:
             env.update(zip(self.program.inputs, tensor_leaves(batch)))
-        for step, spec, fixed, refs, named, positional in self._calls:
+        for (step, spec, fixed, refs, named, positional), done in zip(self._calls, self._done_after):
             self.before_step(step.index)
             leaves = list(fixed)
             for slot, value in refs:
@@ -99,6 +113,9 @@ class StageModule(nn.Module):
             else:
                 leaves = tree_flatten(out)[0]
                 env.update(zip(step.outputs, (leaves[i] for i in step.tensor_slots)))
+            del args, kwargs, leaves, out
+            for value in done:
+                env.pop(value, None)
         if self.last:
             return tree_map(lambda leaf: env[leaf.id] if isinstance(leaf, Ref) else leaf, self.program.output)
         sent = tuple(env[v] for v in self.part.sends)
