@@ -315,8 +315,9 @@ NORM_PEAKS = [("llama-shallow", {"tp": 4, "param_dtype": torch.bfloat16}), ("lla
               ("llama-shallow", {"tp": 4, "param_dtype": torch.bfloat16, "recompute": "selective"})]
 # a pipeline over tp with sp, whose first rank peaks in a forward (of its last microbatch in flight,
 # beside the others'): the gathered inputs held to the block's end, the row-parallel output and the
-# copy its reduce-scatter makes are uncharged (7% under at 4 microbatches; until kept shards were
-# saved as autograd saves inputs, finished microbatches' stayed too: 11%)
+# copy its reduce-scatter makes are uncharged (3% under at 4 microbatches; 7-9% and growing with them
+# while a stage's replay held every value to its end, 11-13% while finished microbatches' kept
+# sequence shards lived with their graphs)
 SP_PIPELINE_PEAKS = [("gpt", {"pp": 2, "tp": 2, "sequence_parallel": True, "microbatches": 4})]
 PEAK_LAYOUTS = [("gpt", {"dp": 4}), ("gpt", {"dp": 4, "zero": 1}), ("gpt", {"dp": 4, "zero": 2}),
                 ("gpt", {"dp": 4, "zero": 2, "bucket_mb": 0.02}), ("gpt", {"dp": 4, "zero": 3})] + [

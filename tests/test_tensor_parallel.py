@@ -418,8 +418,8 @@ def test_a_kept_sequence_shard_is_freed_with_its_backward():
     """Sequence parallelism's column matmuls keep their input's shard and gather it again in
     backward. Kept as the matmul's attribute, a shard lived as long as its graph did: under a
     pipeline, whose stages hold their outputs past their backward, finished microbatches' shards
-    stayed (pp 2 x tp 2 with sp, 4 microbatches: the in-step peak 11% over the planner's; 7% now,
-    the rest a forward's own transients). Saved as autograd saves an input, it goes with the
+    stayed (pp 2 x tp 2 with sp, 4 microbatches: the in-step peak 11% over the planner's, 7% without
+    that; bench/planner.py). Saved as autograd saves an input, it goes with the
     backward, and a retained graph keeps it: a second backward gathers it again and gets the
     same gradient (sums of 64 products of normal values: exact in float32 to a few ulps, so
     1e-4 is not a tolerance that could hide a wrong gather, which is off by O(1))."""
