@@ -41,24 +41,29 @@ def loss_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident):
     return np.maximum(transients - np.where(resident, 0.0, grads), 0.0)
 
 
+def norm_backward_bytes(spec: ModelSpec, L: Layout, tokens):
+    """What a norm's backward holds at its peak beyond the tensors it kept, its input's gradient
+    included. Hugging Face's RMSNorm computes it in float32 whatever the activations' dtype:
+    five float32 tensors of its input's size at once (the mean of squares' backward), 20 bytes
+    a token and hidden unit, after its weight's multiply freed the normalised input it kept
+    (one tensor in the activations' dtype); a LayerNorm or a fused RMSNorm holds the gradient
+    it received and its input's. Under tp without sp the norm is replicated: not divided by tp."""
+    held = np.where(spec.keeps_float32_norm, 5 * FLOAT32 - L.param_bytes, 2 * L.param_bytes)
+    return held * tokens * spec.hidden / np.where(L.sp == 1, L.tp, 1)
+
+
 def final_norm_backward_bytes(spec: ModelSpec, L: Layout, tokens, grads, resident, head_grads):
     """What the final norm's backward adds on the rank with the head, above the states and a
-    microbatch's saved activations; it comes right after the loss's and the head's backwards,
-    which freed the log-probabilities and the norm's output (the head's saved input). Hugging
-    Face's RMSNorm computes its backward in float32 whatever the activations' dtype: at its peak
-    (the mean of squares' backward) five float32 tensors of its input's size, 20 bytes a token and
-    hidden unit, after its weight's multiply freed the normalised input it kept (one tensor in
-    the activations' dtype); a LayerNorm or a fused RMSNorm holds the gradient it received and
-    its input's, one tensor more than the output freed. Under tp without sp the norm is replicated, so this is not divided by tp while
-    the blocks' activations are: the step's peak where tp is large and the vocabulary's share of
-    it small. Measured (torch's profiler in a step of a Hugging Face Llama at tp 2): 12.2 bytes a
+    microbatch's saved activations (`norm_backward_bytes`); it comes right after the loss's and
+    the head's backwards, which freed the log-probabilities and the norm's output (the head's
+    saved input). The step's peak where tp is large without sp and the vocabulary's share of it
+    small. Measured (torch's profiler in a step of a Hugging Face Llama at tp 2): 12.2 bytes a
     token and hidden unit at float32 (20 - 4 - 4, and the head's weight gradient) and 16 at bf16
-    (20 - 2 - 2); bench/planner.py's NORM_PEAKS. As the loss's, only its excess over the gradients not yet made shows (the
-    head's, `head_grads`, exists by then)."""
-    sbh = tokens * spec.hidden / np.where(L.sp == 1, L.tp, 1)
-    act = L.param_bytes
-    held = np.where(spec.keeps_float32_norm, 5 * FLOAT32 - 2 * act, act) * sbh
-    excess = held - loss_bytes(spec, act) * tokens * spec.vocab / L.tp
+    (20 - 2 - 2); bench/planner.py's NORM_PEAKS. As the loss's, only its excess over the
+    gradients not yet made shows (the head's, `head_grads`, exists by then)."""
+    output = L.param_bytes * tokens * spec.hidden / np.where(L.sp == 1, L.tp, 1)
+    log_probs = loss_bytes(spec, L.param_bytes) * tokens * spec.vocab / L.tp
+    excess = norm_backward_bytes(spec, L, tokens) - output - log_probs
     return np.maximum(excess - np.where(resident, 0.0, grads - head_grads), 0.0)
 
 
@@ -81,9 +86,8 @@ def norm_in_block_backward_bytes(spec: ModelSpec, L: Layout, tokens, recomputed)
     """What a block's backward holds at its second norm's backward beyond the block's kept
     activations: what recompute brought back of it (`recomputed`), less what the MLP's backward
     freed (its gate, up and their products; the norm's output, its input, with them), plus the
-    norm's backward (as the final norm's, `final_norm_backward_bytes`: Hugging Face's 20 bytes a
-    token and hidden unit in float32, its normalised input freed; a LayerNorm's or fused norm's
-    gradients) and the residual stream's gradient. Under tp without sp the norm is replicated
+    norm's backward (`norm_backward_bytes`) and the residual stream's gradient, which stands in
+    for the output freed. Under tp without sp the norm is replicated
     and the MLP's tensors are not, so with recompute this can outweigh the block's start (the
     gradient received, the MLP hidden's: `block_backward_bytes`). Measured: a one-block bf16
     Llama at tp 2 under full recompute peaks here, 18 bytes a token and hidden unit over what the
@@ -93,8 +97,7 @@ def norm_in_block_backward_bytes(spec: ModelSpec, L: Layout, tokens, recomputed)
         return np.zeros_like(np.asarray(recomputed, dtype=np.float64))
     act = L.param_bytes
     mlp = (4 if spec.mlp == "swiglu" else 2) * spec.ffn / L.tp * act * tokens
-    norm = np.where(spec.keeps_float32_norm, 5 * FLOAT32 - act, 2 * act) * tokens * spec.hidden / np.where(L.sp == 1, L.tp, 1)
-    return recomputed - mlp + norm
+    return recomputed - mlp + norm_backward_bytes(spec, L, tokens)
 
 
 def step_temporaries(spec: ModelSpec, L: Layout, elements, end_tensor):
