@@ -136,6 +136,11 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")
+        if self.zero == 3 and self.pp > 1 and self.schedule == "zero-bubble":
+            raise ConfigError("zero=3 with schedule='zero-bubble' and pp > 1: the zero-bubble schedule computes a "
+                              "stage's weight gradients after its input gradients, when ZeRO-3 has released the "
+                              "whole parameters their backward reads; use zero=2 (gradients and optimizer states "
+                              "sharded, parameters whole) or schedule='interleaved-1f1b'")
         if not _finite_positive(self.bucket_mb):
             raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB, finite, e.g. 25")
         if not _finite_positive(self.timeout_s) or self.timeout_s > MAX_TIMEOUT_S:

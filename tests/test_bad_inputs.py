@@ -65,6 +65,8 @@ CONFIG = {
     "reduce dtype float64": Case(config(reduce_dtype=torch.float64), "ConfigError", "reduce_dtype=torch.float64 is not"),
     "sequence parallel string": Case(config(sequence_parallel="yes"), "ConfigError", "must be True or False"),
     "sequence parallel without tp": Case(config(sequence_parallel=True), "ConfigError", "tp=1 has none to shard over"),
+    "zero-3 under a zero-bubble pipeline": Case(config(pp=2, zero=3, schedule="zero-bubble"), "ConfigError",
+                                                "use zero=2 (gradients and optimizer states sharded, parameters whole)"),
     "recompute unknown": Case(config(recompute="blocks"), "ConfigError", "recompute='blocks' is not a recompute mode"),
     "recompute bool": Case(config(recompute=True), "ConfigError", "recompute=True is not a recompute mode"),
     "a torch.compile'd model": Case(lambda: sw.parallelize(torch.compile(make_gpt(0))), "ModelError",
