@@ -83,6 +83,13 @@ class Layout:
         """Bytes of a gradient element: reduce_dtype's, or the parameters' by default."""
         return np.where(np.asarray(self.reduce_bytes) > 0, self.reduce_bytes, self.param_bytes)
 
+    @property
+    def accumulates_whole(self):
+        """Whether ZeRO-2/3 gradients accumulate whole over a pipeline's microbatches (every stage
+        backward adds into buckets of whole gradients; the last one's reduce-scatter makes the
+        shards): without a pipeline each microbatch reduces into the shards."""
+        return (np.asarray(self.zero) >= 2) & (np.asarray(self.microbatches) > 1) & (np.asarray(self.pp) > 1)
+
 
 @dataclass
 class Cost:
@@ -418,7 +425,12 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     # a pipeline schedule accumulates its microbatches before reducing: ZeRO-2/3 keep every
     # bucket's whole gradient from a stage's first backward to its last (without a pipeline each
     # microbatch reduces into the shards: data/gradients.py's reduce_into_shards)
-    filling = np.where((L.zero >= 2) & (L.microbatches > 1) & (L.pp > 1), rank_bytes, filling)
+    # (GPipe's last forward comes before any backward: its peak holds every microbatch's activations and
+    # the buckets its first backward fills first, which later hold whole gradients in place of a
+    # microbatch's activations)
+    gpipe = L.schedule == SCHEDULE_CODES["gpipe"]
+    gpipe_peak = np.maximum(rank_bytes - np.where(use_last, act_last, act_first), np.minimum(filling, rank_bytes))
+    filling = np.where(L.accumulates_whole, np.where(gpipe, gpipe_peak, rank_bytes), filling)
     # without a pipeline, each microbatch after the first lands its reduce-scatters beside the shards
     # (Bucket.reduced_into): a shard's worth for each launched one still in flight
     landing = np.where((L.zero >= 2) & (L.microbatches > 1) & (L.pp == 1),
@@ -447,6 +459,11 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     progressive = ~resident & (L.zero >= 2)
     activations = np.where(progressive, np.maximum(np.maximum(with_loss - grads - held, working - grads), 0.0),
                            activations)
+    # accumulating whole, the shards come only at the step's end, from the whole buckets, once the
+    # activations are gone: the step peaks at the schedule's (without them) or at the end (whole and
+    # shards, no activations). Charged both, ZeRO-2 under pp over microbatches read 6.2% over the in-step
+    # peak, which is ZeRO-1's to the byte (bench/planner.py MICROBATCH_PEAKS)
+    activations = np.where(L.accumulates_whole, np.maximum(activations - grads, 0.0), activations)
     step = np.maximum(step_temporaries(spec, L, adam / optimizer_bytes, end_tensor) - activations - buffers, 0.0)
     return _Memory(params, grads, adam, activations, buffers, step, params_first + experts_first,
                    params_last + experts_last, first, last, act_first, act_last, layers_first, layers_last, bucket)

@@ -76,8 +76,9 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     sequence shard, kept for the residual branch, and the down projection's backward gathers it
     whole: both are held."""
     ffn = (spec.ffn if not spec.experts else spec.ffn * spec.top_k) / L.tp
-    # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling)
-    weight_grad = np.where(L.zero >= 2, 0.0, spec.hidden * ffn * L.param_bytes)
+    # (under ZeRO-2/3 the weight gradient lands in the bucket the backward's window charges as filling,
+    # except where a pipeline accumulates whole gradients: it is made, then added to the bucket's)
+    weight_grad = np.where((L.zero >= 2) & ~L.accumulates_whole, 0.0, spec.hidden * ffn * L.param_bytes)
     received = tokens * spec.hidden * L.param_bytes * (1 + np.where((L.sp == 1) & (L.tp > 1), 1 / L.tp, 0.0))
     return received + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
 
