@@ -51,6 +51,13 @@ def _finite_positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+# why recompute and torch's zero-bubble schedule are refused together (config and plan recompute alike)
+ZERO_BUBBLE_RECOMPUTE = ("torch's zero-bubble schedule runs a stage's backward as two passes (input gradients, then "
+                         "weight gradients), and torch's activation checkpoint can recompute a block for one pass "
+                         "only (the second dies inside torch); use schedule='interleaved-1f1b' with recompute, or "
+                         "zero-bubble without it")
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} is not a positive integer; set {name} to 1 or more")
@@ -136,6 +143,9 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")
+        if self.recompute is not None and self.pp > 1 and self.schedule == "zero-bubble":
+            raise ConfigError(f"recompute={self.recompute!r} with schedule='zero-bubble' and pp > 1: "
+                              + ZERO_BUBBLE_RECOMPUTE)
         if self.zero == 3 and self.pp > 1 and self.schedule == "zero-bubble":
             raise ConfigError("zero=3 with schedule='zero-bubble' and pp > 1: the zero-bubble schedule computes a "
                               "stage's weight gradients after its input gradients, when ZeRO-3 has released the "

@@ -65,6 +65,8 @@ CONFIG = {
     "reduce dtype float64": Case(config(reduce_dtype=torch.float64), "ConfigError", "reduce_dtype=torch.float64 is not"),
     "sequence parallel string": Case(config(sequence_parallel="yes"), "ConfigError", "must be True or False"),
     "sequence parallel without tp": Case(config(sequence_parallel=True), "ConfigError", "tp=1 has none to shard over"),
+    "recompute under a zero-bubble pipeline": Case(config(pp=2, recompute="selective", schedule="zero-bubble"),
+                                                   "ConfigError", "use schedule='interleaved-1f1b' with recompute"),
     "zero-3 under a zero-bubble pipeline": Case(config(pp=2, zero=3, schedule="zero-bubble"), "ConfigError",
                                                 "use zero=2 (gradients and optimizer states sharded, parameters whole)"),
     "recompute unknown": Case(config(recompute="blocks"), "ConfigError", "recompute='blocks' is not a recompute mode"),

@@ -374,3 +374,26 @@ def test_search_refuses_bad_requests():
                          seq_len=128, global_batch=8)
     assert {c.config.recompute for c in search("mixtral-8x7b", Cluster(64), seq_len=4096, global_batch=64, top=200)} \
         <= {None, "selective", "full"}
+
+
+def test_every_layout_the_search_weighs_is_one_the_executor_accepts():
+    """The search's grid holds only combinations ParallelConfig accepts: a refused one (ZeRO-3 or
+    recompute under a zero-bubble pipeline) would be proposed, then fail the user's first step (or,
+    as a pick, raise inside the search). Every inner choice of a pipelined, tensor- and
+    data-parallel factorization, each built as the config a Candidate carries. Fault: without
+    the grid's filter, 108 of its 432 rows are refused."""
+    from shardwise.planner.search import RECOMPUTE_NAMES, SCHEDULE_NAMES, _inner_grid
+
+    grid = _inner_grid(2, 2, 2, 1, 8, 8, (2,))
+    rows = list(zip(*(np.asarray(a).tolist() for a in (grid.schedule, grid.zero, grid.recompute, grid.sp,
+                                                       grid.microbatches))))
+    assert {SCHEDULE_NAMES[int(s)] for s, *_ in rows} == set(sw.config.SCHEDULES)
+    refused = []
+    for schedule, zero, recompute, sp, m in rows:
+        try:
+            sw.ParallelConfig(dp=2, tp=2, pp=2, zero=int(zero), schedule=SCHEDULE_NAMES[int(schedule)],
+                              recompute=RECOMPUTE_NAMES[int(recompute)], sequence_parallel=bool(sp),
+                              microbatches=int(m))
+        except ConfigError as error:
+            refused.append(str(error)[:80])
+    assert not refused, f"{len(refused)} of {len(rows)} layouts refused, e.g. {refused[0]}"

@@ -115,7 +115,8 @@ def test_software_choices_keep_the_published_zero_stage():
 def test_software_choices_are_schedules_every_stack_had():
     """A pipelined run's software chose between 1F1B and interleaved stages; zero-bubble and
     GPipe schedules (torch's pipelining has them, Megatron-LM of 2021-2022 did not) are not its
-    software's choices. Megatron's 1T row (tp8 pp64): at its degrees, recompute, sp and ZeRO
+    software's choices. Llama 3's 8K row (tp8 pp16, no recompute: zero-bubble with recompute is
+    refused, so a recomputing run's grid holds none): at its degrees, recompute, sp and ZeRO
     stage the grid holds zero-bubble layouts, none of which its software's choices keep, and
     1F1B and interleaved ones, all of which they do. Fault: dropping the schedule filter keeps
     zero-bubble."""
@@ -123,7 +124,7 @@ def test_software_choices_are_schedules_every_stack_had():
     import shardwise as sw
     from shardwise.planner.cost import SCHEDULE_CODES
 
-    run = next(r for r in published.corpus() if r.name == "megatron 1008.0B tp8 pp64 x3072")
+    run = next(r for r in published.corpus() if r.name == "llama3 405B x8192 seq 8192")
     c = sw.ParallelConfig(**run.config).resolve(run.cluster.gpus)
     grid = next(analysis._bf16_grids(run.spec, [(c.dp, c.tp, c.pp, c.cp)], run.global_batch))
     same_stage = analysis.own_choices(grid, c) & (grid.zero == c.zero)

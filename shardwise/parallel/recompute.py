@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..config import ParallelConfig
-from ..errors import ModelError, PlanError
+from ..config import ZERO_BUBBLE_RECOMPUTE, ParallelConfig
+from ..errors import ConfigError, ModelError, PlanError
 from ..plan import ResolvedPlan
 from ..plan.stages import layer_list
 from ..tensors import is_kv_cache
@@ -94,6 +94,9 @@ def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: Resol
         if nested:
             raise PlanError(f"plan recompute names {nested[0][1]!r} inside {nested[0][0]!r}, which is already "
                             "recomputed whole; name one of them")
+        if config.pp > 1 and config.schedule == "zero-bubble":
+            raise ConfigError(f"the plan recomputes {paths[:3]} with schedule='zero-bubble' and pp > 1: "
+                              + ZERO_BUBBLE_RECOMPUTE)
         return paths
     if config.recompute is None:
         return []

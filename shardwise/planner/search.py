@@ -159,8 +159,8 @@ def _inner_grid(dp: int, tp: int, pp: int, cp: int, replica_batch: int, layers: 
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         sps = (0, 1) if tp > 1 else (0,)
         for (schedule, v), zero, rc, sp, nbytes, ep in itertools.product(schedules, zeros, recomputes, sps, dtypes, eps):
-            if zero == 3 and schedule == SCHEDULE_CODES["zero-bubble"]:
-                continue  # refused by ParallelConfig: its deferred weight backwards read released parameters
+            if schedule == SCHEDULE_CODES["zero-bubble"] and (zero == 3 or rc > 0):
+                continue  # refused by ParallelConfig (released parameters; a block recomputed for two passes)
             rows.append((b, m, schedule, v, zero, rc, sp, nbytes, ep))
     if not rows:
         return None
