@@ -397,3 +397,24 @@ def test_every_layout_the_search_weighs_is_one_the_executor_accepts():
         except ConfigError as error:
             refused.append(str(error)[:80])
     assert not refused, f"{len(refused)} of {len(rows)} layouts refused, e.g. {refused[0]}"
+
+
+def test_the_readmes_planner_example_is_what_the_cli_prints():
+    """The README's `shardwise plan` example is the command's output today: its table rows and
+    the count of layouts weighed, to the character: the planner's numbers are IEEE sums, products,
+    quotients and maxima, the same bits on every machine (its one transcendental, the ceiling of a
+    group size's log2, is exact), so only the search's seconds differ. Fault: the block as it stood before the search dropped
+    the layouts torch cannot run (its top pick zero-bubble with selective recompute) fails."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"^\$ (shardwise plan .*)\n((?:.*\n)*?)```", readme, re.MULTILINE)
+    assert block, "README has no `$ shardwise plan ...` example"
+    printed = CliRunner().invoke(main, shlex.split(block.group(1))[1:])
+    assert printed.exit_code == 0, printed.output
+
+    def comparable(text: str) -> list[str]:  # the rows, and "N layouts evaluated (M fit)" without the timing
+        return [re.sub(r" in [0-9.]+ s, [0-9,]+ per second", "", line.rstrip()) for line in text.strip().splitlines()]
+
+    assert comparable(block.group(2)) == comparable(printed.output)[-len(comparable(block.group(2))):]
