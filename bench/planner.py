@@ -267,7 +267,7 @@ def peak_validation(world: int, layouts: list[tuple]) -> list[tuple[str, float]]
 # ZeRO-2/3 over microbatches, where whole gradients weigh most (one sequence a microbatch): reduced
 # into the shards each microbatch, or (a pipeline's) accumulated whole until the last backward, whose
 # reduce-scatters make the shards (1F1B's peak holds the whole gradients, GPipe's the buckets its first
-# backward fills first beside every microbatch's activations; charged the shards too, 6% and 11% over)
+# backward fills first beside every microbatch's activations; charged the shards too, 6% and 16% over)
 MICROBATCH_PEAKS = [
     ("gpt", {"dp": 4, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),
     ("gpt", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 4, "bucket_mb": 0.02}, 1),

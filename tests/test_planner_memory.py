@@ -77,7 +77,7 @@ def test_peaks_inside_the_step():
       executor did before, put the prediction 21% below the peak); a pipeline accumulates whole
       gradients until its last backward, which the planner charges (without that term it was 14%
       low), and makes the shards only then, from them (charged beside them as well, 1F1B read 6%
-      and GPipe 11% over: test_a_pipeline_accumulating_whole_gradients_peaks_as_zero_1).
+      and GPipe 16% over: test_a_pipeline_accumulating_whole_gradients_peaks_as_zero_1).
     - ZeRO-3 with buckets smaller than a block holds buckets, not blocks, in flight (charged a
       block each, it was predicted 13% high); with a bucket a block, a backward has freed a
       block's activations by the time each next bucket fills: where they outweigh its gradients
