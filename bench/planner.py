@@ -169,12 +169,11 @@ def memory_validation(layouts) -> list[tuple[str, float, float, float]]:
     return errors
 
 
-def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
-    """The most `step` adds to the bytes allocated on `device` at any moment: torch's profiler
-    records every allocation and free with its size, in order. Left out: what a collective
-    allocates inside the process group (gloo clones a reduce-scatter's input and stages an
-    all-gather's; NCCL's buffers are its own, outside torch's allocator), the backend's and
-    not the executor's, which the planner predicts for NCCL."""
+def profiled_allocations(step: Callable[[], None], device: torch.device, spans: tuple[str, ...] = ()
+                         ) -> tuple[list[tuple[int, int, int, bool]], list[tuple[int, int, str]]]:
+    """Every allocation and free `step` makes on `device`, in torch's profiler's record: (time,
+    bytes (negative: a free), address, inside the backend: a collective's own staging), and the
+    (start, end, name) of the profiler ranges whose names start with one of `spans`."""
     from torch._C._profiler import _EventType
 
     def in_backend(node) -> bool:
@@ -186,14 +185,24 @@ def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    nodes, allocations, ranges = list(prof.profiler.kineto_results.experimental_event_tree()), [], []
     while nodes:
         node = nodes.pop()
         nodes.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == device.type:
             allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr,
                                 node.extra_fields.alloc_size > 0 and in_backend(node.parent)))
-    return executor_peak(allocations)
+        elif spans and node.name.startswith(spans):
+            ranges.append((node.start_time_ns, node.end_time_ns, node.name))
+    return allocations, ranges
+
+
+def _allocation_peak(step: Callable[[], None], device: torch.device) -> int:
+    """The most `step` adds to the bytes allocated on `device` at any moment. Left out: what a
+    collective allocates inside the process group (gloo clones a reduce-scatter's input and
+    stages an all-gather's; NCCL's buffers are its own, outside torch's allocator), the
+    backend's and not the executor's, which the planner predicts for NCCL."""
+    return executor_peak(profiled_allocations(step, device)[0])
 
 
 def executor_peak(allocations: list[tuple[int, int, int, bool]]) -> int:

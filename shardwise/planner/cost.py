@@ -17,7 +17,8 @@ flight and the embedding, or the last, which keeps the logits):
 - activations: per block and microbatch, the bytes autograd keeps (shardwise's own layers,
   measured against `sw.activation_memory` in tests/test_activations.py and
   bench/planner.py): Korthikanti et al. (arXiv 2205.05198) adapted to what our executors
-  keep, times the microbatches a pipeline schedule holds at once; and what a backward holds
+  keep, times the microbatches a pipeline schedule holds at once (schedules.py, with the boundary
+  tensors beside them); and what a backward holds
   beyond them (planner/transients.py), the loss's and then the final norm's transients or,
   while a block's backward runs, what recompute brings back of it and the backward's own
   working memory, its second norm's backward included;
@@ -49,11 +50,11 @@ from ..parallel.data.gradients import IN_FLIGHT
 from .cluster import Cluster, Executor
 from ..plan.stages import Unit, balance, unit_costs
 from .model import ModelSpec
+from .schedules import SCHEDULE_CODES, in_flight, last_rank_in_flight, runner_boundaries
 from .timing import FLOAT32, OPTIMIZER_CODES, boundary_bytes, step_times
 from .transients import (block_backward_bytes, final_norm_backward_bytes, largest_block_tensor, loss_backward_bytes,
-                         loss_bytes, norm_in_block_backward_bytes, step_temporaries)
+                         loss_bytes, norm_backward_bytes, norm_in_block_backward_bytes, step_temporaries)
 
-SCHEDULE_CODES = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 3}
 RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2, "selective-alternate": 3}
 
 
@@ -229,33 +230,6 @@ def end_activation_bytes(spec: ModelSpec, tokens, seq_local, tp, sp, act_bytes, 
     return first, last
 
 
-def in_flight(layout: Layout) -> np.ndarray:
-    """Microbatches' worth of this rank's activations the first pipeline rank holds at its
-    peak: GPipe all m; 1F1B min(m, p); torch's interleaved 1F1B warms up (v-1)p + 2(p-1)
-    stage-microbatches before the first backward, each 1/v of the rank's blocks; its
-    zero-bubble order holds p v at most on every rank (a stage-microbatch's graph lives until
-    its weight backward): min(m, p). tests/test_planner.py counts torch's orders."""
-    p, m, v = layout.pp, layout.microbatches, layout.virtual
-    interleaved = np.minimum(m * v, (v - 1) * p + 2 * (p - 1) + 1) / v
-    held = np.select([layout.schedule == 0, layout.schedule == 1, layout.schedule == 3],
-                     [m, np.minimum(m, p), np.minimum(m, p)], interleaved)
-    return np.where(p == 1, 1, held)
-
-
-def last_rank_in_flight(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """(microbatches' worth of the last pipeline rank's blocks, of its head's tensors) it holds
-    at its peak: GPipe all m (every forward comes first, on the last stage too); one under
-    1F1B's single stage (its backward follows each forward); interleaved 1F1B's final stage
-    also holds one, its other v-1 stages p each ((v-1)p + 1 stage-microbatches); zero-bubble
-    holds min(m, p) of every stage, the final one's included."""
-    p, m, v = layout.pp, layout.microbatches, layout.virtual
-    p_or_m = np.minimum(m, p)
-    blocks = np.select([layout.schedule == 0, layout.schedule == 2, layout.schedule == 3],
-                       [m, (p_or_m * (v - 1) + 1) / v, p_or_m], 1.0)
-    head = np.select([layout.schedule == 0, layout.schedule == 3], [m, p_or_m], 1.0)
-    return np.where(p == 1, 1, blocks), np.where(p == 1, 1, head)
-
-
 @functools.lru_cache(maxsize=4096)
 def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[int, int]:
     """Blocks of the layer list on the first and on the last pipeline rank, as shardwise's
@@ -353,6 +327,11 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     held_blocks, held_head = last_rank_in_flight(L)
     held_first = held * act_first
     held_last = layers_last * block * held_blocks + end_last * held_head
+    # our runner's stage outputs and unacknowledged input-gradient sends beyond those
+    (outputs_first, sent_first), (outputs_last, sent_last) = runner_boundaries(L)
+    boundary = boundary_bytes(spec, L, tokens)
+    held_first = held_first + (outputs_first + sent_first) * boundary
+    held_last = held_last + (outputs_last + sent_last) * boundary
     # zero-bubble: a stage-microbatch whose weight backward is deferred also keeps the gradients
     # of its linear layers' outputs; at the peak of torch's order pipeline rank r has r + 1 such
     # (tests/test_planner.py), each 1/v of the rank's blocks
@@ -377,13 +356,17 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     # a forward keeps their shards)
     recomputed = recomputed + np.where((L.recompute > 0) & (L.sp == 1) & (L.tp > 1),
                                        2 * tokens * spec.hidden * L.param_bytes * (1 - 1 / L.tp), 0.0)
-    in_block = recomputed + np.where(deferred, 0.0, block_backward_bytes(spec, L, tokens))
+    # (zero-bubble's input backward leaves the weight gradients to its weight backward: it ends at
+    # the first norm's backward, beside the output gradients kept for it, charged above)
+    in_block = recomputed + np.where(deferred, norm_backward_bytes(spec, L, tokens), block_backward_bytes(spec, L, tokens))
     in_block = np.maximum(in_block, norm_in_block_backward_bytes(spec, L, tokens, recomputed))
     # (and the final norm's input, the last block's output, freed by the norm's backward: charged as
     # the embedding's output where the norm keeps the residual sum itself, not a float32 copy)
     norm_input = np.where(norms_copy_inputs(spec, L.param_bytes), 0.0,
                           tokens * spec.hidden * L.param_bytes / np.where(L.sp == 1, L.tp, 1))
-    after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - end_last - norm_input, 0.0))
+    # (zero-bubble's head keeps its saved input for its own weight backward: nothing freed)
+    freed = np.where(deferred, 0.0, end_last + norm_input)
+    after_head = np.where((L.pp == 1) & (L.recompute == 0), 0.0, np.maximum(in_block - freed, 0.0))
     def in_backward(loss):  # (first, last) ranks' bytes beyond the saved activations, `loss` charging the loss's transients
         return (held_first + np.where(L.pp == 1, np.maximum(loss(first[1]), after_head), in_block),
                 held_last + np.maximum(loss(last[1]), after_head))
@@ -394,12 +377,14 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
         return np.maximum(loss_backward_bytes(spec, L, tokens, grads, made),
                           final_norm_backward_bytes(spec, L, tokens, grads, made, head_grads))
 
+    saved_first, saved_last = held_first, held_last
     working = in_backward(lambda grads: 0.0)  # what a backward holds beside them, and with all of them
     with_loss = in_backward(lambda grads: end_backward(grads, True))
     held_first, held_last = in_backward(lambda grads: end_backward(grads, resident))
     use_last = (L.pp > 1) & (sum(last) + held_last > sum(first) + held_first)
     params, grads, adam = (np.where(use_last, b, a) for a, b in zip(first, last))
     activations = np.where(use_last, held_last, held_first)
+    in_input_backward = activations - np.where(use_last, saved_last, saved_first)  # zero-bubble's, beyond the saved
     working, with_loss = (np.where(use_last, b, a) for a, b in (working, with_loss))
     block_bytes = (per_layer + spec.expert_params / L.ep) * L.param_bytes
     # whole-gradient buckets a ZeRO-2/3 backward holds at once (data/gradients.py: those of the
@@ -439,14 +424,21 @@ def _memory(spec: ModelSpec, L: Layout, seq_len: int, runs: Executor) -> _Memory
     # torch's zero-bubble executor waits for its sends at the step's end: each of a rank's v
     # stages keeps an activation and an input gradient per microbatch (an end rank one fewer)
     sent = np.where(deferred, (2 * L.virtual - 1) * L.microbatches * boundary_bytes(spec, L, tokens), 0.0)
-    # and computes a stage's weight gradients at once (torch.autograd.grad over its weights), which
-    # it keeps in .grad tensors of its own until the step's end, when shardwise's buckets take them
-    # one by one: the rank's gradients in the parameters' dtype, beside the buffers ZeRO 0-1 keep
-    # (in place of those ZeRO-2/3 fill), and one stage's being computed
+    # and keeps the weight gradients in .grad tensors of its own until the step's end, when
+    # shardwise's buckets take them one by one: the rank's gradients in the parameters' dtype, beside
+    # the buffers ZeRO 0-1 keep (in place of those ZeRO-2/3 fill). A weight backward computes them a
+    # parameter group at a time (torch.autograd.grad over the weights whose gradients meet at one
+    # node: a linear layer's weight and bias) and adds each to its .grad: one group's transient, the
+    # rank's largest matrix (charged a stage's gradients, ZeRO-1 on one sequence a microbatch read
+    # 5.5% over the in-step peak, the 4x wide GPT 4.7%). A weight backward is an action of its own:
+    # its transient takes the place of what an input backward holds beyond the saved tensors (the
+    # loss's on the last rank; charged both, a 16K vocabulary read 12% over)
     torch_grads = rank_params * L.param_bytes
     held = np.minimum(filling, rank_bytes)
     held = np.where(deferred & (L.zero >= 2), np.maximum(held, torch_grads), held)
-    weight_grads = np.where(deferred, torch_grads / L.virtual + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
+    group = np.maximum(largest_block_tensor(spec, L), end_tensor) * L.param_bytes
+    weight_grads = np.where(deferred, np.maximum(group - in_input_backward, 0.0)
+                            + np.where(L.zero >= 2, 0.0, torch_grads), 0.0)
     # ZeRO-3 gathers two blocks whole; casting a float32 master shard, each sends a cast copy of it
     gathers = 2 * block_bytes * (1 + np.where(master_is_shard, 1 / shards, 0.0))
     buffers = np.where(L.zero == 3, gathers, 0.0) + held + sent + weight_grads
