@@ -83,6 +83,21 @@ def block_backward_bytes(spec: ModelSpec, L: Layout, tokens):
     return received + spec.up_projections * tokens * ffn * L.param_bytes + weight_grad
 
 
+def deferred_output_gradients(spec: ModelSpec, L: Layout, tokens):
+    """(a block's, the final stage's more) bytes a zero-bubble stage-microbatch keeps between its
+    input and its weight backward: torch keeps the gradient of each parameter group's output (the
+    op where a weight's gradient meets the input's), a block's linear layers' (q, k, v, the
+    attention's output projection, each up projection, the down projection: the row-parallel
+    ones whole under tp) and its two norms' (sequence shards under sp), and on the final stage
+    the final norm's (the head's own takes the place of the log-probabilities its input backward
+    freed). tests/test_planner_memory.py counts torch's parameter groups."""
+    kv_width = spec.kv_heads * spec.hidden / spec.heads
+    norm_output = spec.hidden / np.where(L.sp == 1, L.tp, 1) * tokens * L.param_bytes
+    linear = ((spec.hidden + 2 * kv_width + spec.up_projections * spec.ffn) / L.tp + 2 * spec.hidden) \
+        * tokens * L.param_bytes
+    return linear + 2 * norm_output, norm_output
+
+
 def norm_in_block_backward_bytes(spec: ModelSpec, L: Layout, tokens, recomputed):
     """What a block's backward holds at its second norm's backward beyond the block's kept
     activations: what recompute brought back of it (`recomputed`), less what the MLP's backward
