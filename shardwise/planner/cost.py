@@ -236,13 +236,17 @@ def stage_layers(spec: ModelSpec, pp: int, virtual: int, seq_len: int) -> tuple[
     automatic split places them (plan/stages.py's `balance` over the same unit costs: each
     unit's share of forward FLOPs plus its share of parameters; the embedding lookup costs
     parameters and no FLOPs, the head both, a block 2 FLOPs per parameter and token plus
-    4 s h for attention, as torch's FLOP counter counts it)."""
+    4 s h for attention, as torch's FLOP counter counts it). A model's replicated embedding
+    parameters (GPT's position embedding) are a unit of their own, as the split sees that module:
+    where the token embedding outweighs a few blocks the split can give it a stage alone (merged,
+    a GPT with a 16K vocabulary at v 2 was charged a block on the wrong rank)."""
     if pp == 1:
         return spec.layers, spec.layers
     layer_params = sum(spec.layer_params)
     tied = spec.head_params[0] == 0
     head_params = sum(spec.head_params) + (spec.embed_params[0] if tied else 0)
-    units = ([Unit("embed", sum(spec.embed_params), 0.0)]
+    token, position = spec.embed_params
+    units = ([Unit("embed", token, 0.0)] + ([Unit("position", position, 0.0)] if position else [])
              + [Unit("block", layer_params, 2.0 * layer_params + 4.0 * seq_len * spec.hidden)] * spec.layers
              + [Unit("head", head_params, 2.0 * spec.hidden * spec.vocab)])
     starts = balance(unit_costs(units), [u.params > 0 for u in units], pp * virtual) + [len(units)]
