@@ -102,20 +102,37 @@ def _batch(microbatches: int, micro: int = MICRO) -> dict:
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
+def parallelized(kind: str, options: dict, micro: int = MICRO) -> tuple[sw.ParallelModule, dict]:
+    """A model of `kind` parallelized with `options` (a ParallelConfig's fields; tp by the zoo's
+    plan for the kind), and its batch of `micro` sequences a microbatch."""
+    config = sw.ParallelConfig(**options)
+    batch = _batch(config.microbatches, micro)
+    plan = kind.split("-")[0] if config.tp > 1 else None
+    return sw.parallelize(build(kind), config, plan=plan, sample=batch), batch
+
+
+def training_step(pm: sw.ParallelModule, batch: dict) -> Callable[[], None]:
+    """One step of `pm` on `batch` as users run it: train_step, AdamW's step, zero_grad."""
+    opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+
+    def step():
+        pm.train_step(batch)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
 def measure(cases: list[tuple[str, dict]]) -> list[tuple[int, int, float, float]]:
     """On this rank, per case: (pp rank, pp, model-state bytes, one microbatch's saved bytes)."""
     out = []
     for kind, options in cases:
-        config = sw.ParallelConfig(**options)
-        batch = _batch(config.microbatches)
-        plan = kind.split("-")[0]
-        pm = sw.parallelize(build(kind), config, plan=plan if config.tp > 1 else None, sample=batch)
+        pm, batch = parallelized(kind, options)
         opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
         pm.train_step(batch)
         opt.step()
         states = sum(pm.memory().values())
         saved = sw.activation_memory(pm, batch).total
-        out.append((pm.topology.pp_rank, config.pp, float(states), float(saved)))
+        out.append((pm.topology.pp_rank, pm.config.pp, float(states), float(saved)))
     return out
 
 
@@ -240,16 +257,8 @@ def measure_peak(cases: list[tuple]) -> list[tuple[float, float]]:
     any moment: activations, transient gradients, gathers)."""
     out = []
     for kind, options, *micro in cases:
-        config = sw.ParallelConfig(**options)
-        batch = _batch(config.microbatches, *micro)
-        pm = sw.parallelize(build(kind), config, plan=kind.split("-")[0] if config.tp > 1 else None, sample=batch)
-        opt = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
-
-        def step():
-            pm.train_step(batch)
-            opt.step()
-            opt.zero_grad()
-
+        pm, batch = parallelized(kind, options, *micro)
+        step = training_step(pm, batch)
         for _ in range(2):  # the optimizer state exists, buckets are laid out
             step()
         states = float(sum(pm.memory().values()))

@@ -143,10 +143,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True shards activations over tensor-parallel ranks, and tp=1 has "
                               "none to shard over: set tp > 1 or sequence_parallel=False")
-        if self.recompute is not None and self.pp > 1 and self.schedule == "zero-bubble":
+        if self.recompute is not None and self.splits_backward:
             raise ConfigError(f"recompute={self.recompute!r} with schedule='zero-bubble' and pp > 1: "
                               + ZERO_BUBBLE_RECOMPUTE)
-        if self.zero == 3 and self.pp > 1 and self.schedule == "zero-bubble":
+        if self.zero == 3 and self.splits_backward:
             raise ConfigError("zero=3 with schedule='zero-bubble' and pp > 1: the zero-bubble schedule computes a "
                               "stage's weight gradients after its input gradients, when ZeRO-3 has released the "
                               "whole parameters their backward reads; use zero=2 (gradients and optimizer states "
@@ -162,6 +162,12 @@ class ParallelConfig:
                 names = ", ".join(str(d) for d in allowed)
                 raise ConfigError(f"{name}={value!r} is not supported; use one of {names} or None "
                                   "(optimizer master weights are float32)")
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether a stage's backward runs as two passes, input gradients then weight gradients:
+        torch's zero-bubble schedule over more than one pipeline rank."""
+        return self.pp > 1 and self.schedule == "zero-bubble"
 
     @property
     def model_parallel_size(self) -> int:

@@ -151,16 +151,8 @@ def test_peak_accounting_survives_unrecorded_frees():
 def _weight_backward_transients(kind: str, options: dict, micro: int) -> list[tuple[str, int]]:
     """On this rank, per zero-bubble weight backward (torch's action "PP:<stage>W<microbatch>")
     after its stage's first: the most it adds above the bytes allocated at its start."""
-    config = sw.ParallelConfig(**options)
-    batch = bench._batch(config.microbatches, micro)
-    pm = sw.parallelize(bench.build(kind), config, sample=batch)
-    optimizer = sw.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
-
-    def step():
-        pm.train_step(batch)
-        optimizer.step()
-        optimizer.zero_grad()
-
+    pm, batch = bench.parallelized(kind, options, micro)
+    step = bench.training_step(pm, batch)
     step()  # the first step makes the optimizer's state
     allocations, ranges = bench.profiled_allocations(step, pm.topology.device, spans=("PP:",))
     allocations.sort()
@@ -216,9 +208,7 @@ def _deferred_gradient_bytes(kind: str, options: dict, micro: int) -> list[int]:
         kept.append(sum(storages.values()))
         return weigh(list(weights), param_groups, retain_graph)
 
-    config = sw.ParallelConfig(**options)
-    batch = bench._batch(config.microbatches, micro)
-    pm = sw.parallelize(bench.build(kind), config, sample=batch)
+    pm, batch = bench.parallelized(kind, options, micro)
     torch_stage.stage_backward_weight = counting  # torch's stage calls it by this name
     try:
         pm.train_step(batch)
@@ -259,10 +249,8 @@ def _blocks_per_end_rank(cases: list[tuple[str, dict]]) -> list[int]:
 
     held = []
     for kind, options in cases:
-        config = sw.ParallelConfig(**options)
-        model = bench.build(kind)
-        prefix = layer_list(model) + "."
-        pm = sw.parallelize(model, config, sample=bench._batch(config.microbatches, 1))
+        prefix = layer_list(bench.build(kind)) + "."
+        pm, _ = bench.parallelized(kind, options, 1)
         layout = pm.pipeline.layout
         held.append(sum(u.path.startswith(prefix) and layout.stage_of[u.path] % layout.pp == pm.topology.pp_rank
                         for u in layout.units))

@@ -94,7 +94,7 @@ def recompute_targets(module: nn.Module, config: ParallelConfig, resolved: Resol
         if nested:
             raise PlanError(f"plan recompute names {nested[0][1]!r} inside {nested[0][0]!r}, which is already "
                             "recomputed whole; name one of them")
-        if config.pp > 1 and config.schedule == "zero-bubble":
+        if config.splits_backward:
             raise ConfigError(f"the plan recomputes {paths[:3]} with schedule='zero-bubble' and pp > 1: "
                               + ZERO_BUBBLE_RECOMPUTE)
         return paths
