@@ -202,7 +202,7 @@ def _runner_boundaries_held(schedule: str, p: int, v: int, m: int) -> list[tuple
     final = p * v - 1
     peaks = []
     for rank in (0, p - 1):
-        releases, alive, pending, best = send_releases(orders, rank, final + 1), {}, set(), (0, 0, 0, 0)
+        releases, alive, pending, best = send_releases(orders, rank, final + 1), {}, set(), (0,) * 5
         for position, step in enumerate(orders[rank]):
             pending -= set(releases.get(position, ()))
             if step.forward:
